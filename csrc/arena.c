@@ -1,0 +1,914 @@
+/*
+ * arena.c - size-class arenas over large chunks, the pointer registry, the
+ * plain aligned fallback, and the NEP 49 hooks NumPy calls.
+ *
+ * Layout. Requests up to 1 MiB are served from slabs: a chunk of one size
+ * class cut into equal slots (512-byte multiples, at most 12.5 % internal
+ * waste). Larger requests get a run of their own (64 KiB grain); freed runs
+ * are cached and reused for requests within 12.5 % of their size. Empty slabs
+ * and cached runs go back to the provider on ump_arena_trim() or when the cap
+ * would otherwise be exceeded.
+ *
+ * Metadata never lives inside the blocks: a managed chunk written by the CPU
+ * would migrate to the host, and device memory cannot be written at all.
+ *
+ * Locks. Registry (rwlock) before arena (mutex), always. The allocation fast
+ * path takes only the arena mutex; provider calls are made with no lock held.
+ */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define N_CLASSES 72
+#define SMALL_MAX ((size_t)1 << 20)
+#define LARGE_GRAIN ((size_t)64 << 10)
+#define SLAB_MIN ((size_t)2 << 20)
+#define SLAB_MIN_SLOTS 16
+
+typedef struct arena arena_t;
+
+typedef struct chunk {
+    uintptr_t base;
+    size_t size;             /* bytes taken from the provider */
+    arena_t *arena;
+    int cls;                 /* size class, -1 for a large run */
+    size_t block;            /* slot size, or the run's capacity */
+    size_t used;             /* large: bytes handed out */
+    int in_use;              /* large: handed out */
+    int zero;                /* large: untouched since the provider zeroed it */
+    uint32_t nslots, nfree;
+    uint32_t *free_stack;    /* slab: free slot indices */
+    uint64_t *live;          /* slab: one bit per slot, set while handed out */
+    struct chunk *next, *prev;
+} chunk_t;
+
+struct arena {
+    int id, kind, provider, advise_host;
+    pthread_mutex_t lock;
+    chunk_t *partial[N_CLASSES]; /* slabs with at least one free slot */
+    chunk_t *runs;               /* cached free large runs */
+    ump_stats_t st;
+};
+
+/* One budget per kind: the NumPy-side and CuPy-side arenas of a backend
+ * share its cap, so the cap bounds all the memory the backend holds. */
+static struct { uint64_t held, cap; } budgets[UMP_KIND_DEVICE + 1];
+
+static arena_t *arenas[UMP_MAX_ARENAS];
+static int n_arenas;
+static pthread_mutex_t arenas_lock = PTHREAD_MUTEX_INITIALIZER;
+static int numpy_arena = -1;
+
+static pthread_rwlock_t reg_lock = PTHREAD_RWLOCK_INITIALIZER;
+static chunk_t **reg;
+static size_t reg_n, reg_cap;
+static uint64_t foreign_frees;
+
+static __thread int last_status;
+
+volatile int ump__forked;
+
+int ump__set_status(int status) { last_status = status; return status; }
+int ump_last_status(void) { return last_status; }
+int ump_abi_version(void) { return UMP_ABI_VERSION; }
+uint64_t ump_foreign_frees(void) { return __atomic_load_n(&foreign_frees, __ATOMIC_RELAXED); }
+int ump_is_forked_child(void) { return ump__forked; }
+
+static size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
+
+/* --- size classes ------------------------------------------------------ */
+
+/* 512, 1024, ..., 4096, then eight steps per power of two up to 1 MiB. */
+static int class_of(size_t rsize)
+{
+    if (rsize <= 4096)
+        return (int)(rsize / UMP_ALIGN) - 1;
+    int p = 63 - __builtin_clzll((unsigned long long)(rsize - 1));
+    size_t step = (size_t)1 << (p - 3);
+    size_t j = (rsize - ((size_t)1 << p) + step - 1) / step;
+    return 8 + (p - 12) * 8 + (int)j - 1;
+}
+
+static size_t class_size(int cls)
+{
+    if (cls < 8)
+        return (size_t)(cls + 1) * UMP_ALIGN;
+    int p = 12 + (cls - 8) / 8;
+    size_t j = (size_t)((cls - 8) % 8) + 1;
+    return ((size_t)1 << p) + j * ((size_t)1 << (p - 3));
+}
+
+static size_t slab_bytes(size_t block)
+{
+    size_t want = block * SLAB_MIN_SLOTS;
+    return want < SLAB_MIN ? SLAB_MIN : round_up(want, SLAB_MIN);
+}
+
+/* --- fault injection ----------------------------------------------------- */
+
+static int64_t inject_after, inject_count;
+
+void ump_fault_inject(int64_t after, int64_t count)
+{
+    __atomic_store_n(&inject_after, after, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&inject_count, count, __ATOMIC_SEQ_CST);
+}
+
+static int injected_failure(void)
+{
+    if (__atomic_load_n(&inject_count, __ATOMIC_SEQ_CST) == 0)
+        return 0;
+    if (__atomic_fetch_sub(&inject_after, 1, __ATOMIC_SEQ_CST) > 0)
+        return 0;
+    __atomic_store_n(&inject_after, 0, __ATOMIC_SEQ_CST);
+    int64_t left = __atomic_load_n(&inject_count, __ATOMIC_SEQ_CST);
+    if (left > 0)
+        __atomic_fetch_sub(&inject_count, 1, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+/* --- registry ------------------------------------------------------------ */
+
+/* Index of the last chunk whose base <= p, or -1. Caller holds reg_lock. */
+static long reg_floor(uintptr_t p)
+{
+    long lo = 0, hi = (long)reg_n - 1, ans = -1;
+    while (lo <= hi) {
+        long mid = lo + (hi - lo) / 2;
+        if (reg[mid]->base <= p) {
+            ans = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return ans;
+}
+
+static chunk_t *reg_find(uintptr_t p)
+{
+    long i = reg_floor(p);
+    if (i < 0)
+        return NULL;
+    chunk_t *c = reg[i];
+    return p < c->base + c->size ? c : NULL;
+}
+
+/* Caller holds reg_lock for writing. */
+static int reg_insert(chunk_t *c)
+{
+    if (reg_n == reg_cap) {
+        size_t ncap = reg_cap ? reg_cap * 2 : 64;
+        chunk_t **n = realloc(reg, ncap * sizeof *n);
+        if (!n)
+            return UMP_ERR_NOMEM;
+        reg = n;
+        reg_cap = ncap;
+    }
+    long at = reg_floor(c->base) + 1;
+    memmove(&reg[at + 1], &reg[at], (reg_n - (size_t)at) * sizeof *reg);
+    reg[at] = c;
+    reg_n++;
+    return UMP_OK;
+}
+
+static void reg_remove(chunk_t *c)
+{
+    long i = reg_floor(c->base);
+    if (i >= 0 && reg[i] == c) {
+        memmove(&reg[i], &reg[i + 1], (reg_n - (size_t)i - 1) * sizeof *reg);
+        reg_n--;
+    }
+}
+
+/* --- lists --------------------------------------------------------------- */
+
+static void list_push(chunk_t **head, chunk_t *c)
+{
+    c->prev = NULL;
+    c->next = *head;
+    if (*head)
+        (*head)->prev = c;
+    *head = c;
+}
+
+static void list_unlink(chunk_t **head, chunk_t *c)
+{
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        *head = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    c->next = c->prev = NULL;
+}
+
+/* --- statistics (caller holds the arena lock) ---------------------------- */
+
+static void st_alloc(ump_stats_t *st, size_t bytes)
+{
+    st->current_bytes += bytes;
+    st->total_bytes += bytes;
+    st->current_count++;
+    st->total_count++;
+    if (st->current_bytes > st->peak_bytes)
+        st->peak_bytes = st->current_bytes;
+    if (st->current_count > st->peak_count)
+        st->peak_count = st->current_count;
+}
+
+static void st_free(ump_stats_t *st, size_t bytes)
+{
+    st->current_bytes -= bytes;
+    st->current_count--;
+}
+
+/* --- arenas -------------------------------------------------------------- */
+
+static arena_t *arena_get(int id)
+{
+    if (id < 0 || id >= UMP_MAX_ARENAS)
+        return NULL;
+    return __atomic_load_n(&arenas[id], __ATOMIC_ACQUIRE);
+}
+
+int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int advise_host)
+{
+    if (kind <= UMP_KIND_NONE || kind > UMP_KIND_DEVICE || provider < 0 ||
+        provider > UMP_PROVIDER_PINNED)
+        return ump__set_status(UMP_ERR_ARG);
+    pthread_mutex_lock(&arenas_lock);
+    /* Arenas live as long as the process: blocks may outlive disable(), and
+     * enabling the same backend again reuses its arena and cached chunks. */
+    for (int i = 0; i < n_arenas; i++) {
+        arena_t *a = arenas[i];
+        if (a->kind == kind && a->provider == provider && a->advise_host == advise_host) {
+            __atomic_store_n(&budgets[kind].cap, cap_bytes, __ATOMIC_RELAXED);
+            pthread_mutex_unlock(&arenas_lock);
+            return i;
+        }
+    }
+    if (n_arenas == UMP_MAX_ARENAS) {
+        pthread_mutex_unlock(&arenas_lock);
+        return ump__set_status(UMP_ERR_ARG);
+    }
+    arena_t *a = calloc(1, sizeof *a);
+    if (!a) {
+        pthread_mutex_unlock(&arenas_lock);
+        return ump__set_status(UMP_ERR_NOMEM);
+    }
+    a->id = n_arenas;
+    a->kind = kind;
+    a->provider = provider;
+    a->advise_host = advise_host;
+    __atomic_store_n(&budgets[kind].cap, cap_bytes, __ATOMIC_RELAXED);
+    pthread_mutex_init(&a->lock, NULL);
+    __atomic_store_n(&arenas[n_arenas], a, __ATOMIC_RELEASE);
+    int id = n_arenas++;
+    pthread_mutex_unlock(&arenas_lock);
+    return id;
+}
+
+int ump_arena_set_cap(int id, uint64_t cap_bytes)
+{
+    arena_t *a = arena_get(id);
+    if (!a)
+        return ump__set_status(UMP_ERR_ARG);
+    __atomic_store_n(&budgets[a->kind].cap, cap_bytes, __ATOMIC_RELAXED);
+    return UMP_OK;
+}
+
+int ump_arena_stats(int id, ump_stats_t *out)
+{
+    arena_t *a = arena_get(id);
+    if (!a || !out)
+        return ump__set_status(UMP_ERR_ARG);
+    pthread_mutex_lock(&a->lock);
+    *out = a->st;
+    pthread_mutex_unlock(&a->lock);
+    out->cap_bytes = __atomic_load_n(&budgets[a->kind].cap, __ATOMIC_RELAXED);
+    return UMP_OK;
+}
+
+static void chunk_destroy(chunk_t *c)
+{
+    free(c->free_stack);
+    free(c->live);
+    free(c);
+}
+
+/* Give every wholly free chunk of the arena back to its provider. */
+int ump_arena_trim(int id)
+{
+    arena_t *a = arena_get(id);
+    if (!a)
+        return ump__set_status(UMP_ERR_ARG);
+    chunk_t *victims = NULL;
+    pthread_rwlock_wrlock(&reg_lock);
+    pthread_mutex_lock(&a->lock);
+    for (int cls = 0; cls < N_CLASSES; cls++) {
+        chunk_t *c = a->partial[cls];
+        while (c) {
+            chunk_t *next = c->next;
+            if (c->nfree == c->nslots) {
+                list_unlink(&a->partial[cls], c);
+                list_push(&victims, c);
+            }
+            c = next;
+        }
+    }
+    while (a->runs) {
+        chunk_t *c = a->runs;
+        list_unlink(&a->runs, c);
+        list_push(&victims, c);
+    }
+    for (chunk_t *c = victims; c; c = c->next) {
+        reg_remove(c);
+        __atomic_fetch_sub(&budgets[a->kind].held, c->size, __ATOMIC_RELAXED);
+        a->st.held_bytes -= c->size;
+        a->st.cached_bytes -= c->size;
+        a->st.chunk_frees++;
+    }
+    pthread_mutex_unlock(&a->lock);
+    pthread_rwlock_unlock(&reg_lock);
+    int status = UMP_OK;
+    while (victims) {
+        chunk_t *c = victims;
+        victims = c->next;
+        int s = ump__provider_free(a->provider, (void *)c->base, c->size);
+        if (s != UMP_OK)
+            status = s;
+        chunk_destroy(c);
+    }
+    return status == UMP_OK ? UMP_OK : ump__set_status(status);
+}
+
+/* Reserve `bytes` of the kind's budget, trimming cached chunks once if the
+ * cap would be exceeded. */
+static int budget_take(int kind, uint64_t bytes)
+{
+    uint64_t held = __atomic_load_n(&budgets[kind].held, __ATOMIC_RELAXED);
+    do {
+        if (held + bytes < held ||
+            held + bytes > __atomic_load_n(&budgets[kind].cap, __ATOMIC_RELAXED))
+            return 0;
+    } while (!__atomic_compare_exchange_n(&budgets[kind].held, &held, held + bytes, 1,
+                                          __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return 1;
+}
+
+static int reserve(arena_t *a, size_t bytes)
+{
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (budget_take(a->kind, bytes)) {
+            pthread_mutex_lock(&a->lock);
+            a->st.held_bytes += bytes;
+            pthread_mutex_unlock(&a->lock);
+            return UMP_OK;
+        }
+        if (attempt == 0) {
+            for (int i = 0; i < UMP_MAX_ARENAS; i++) {
+                arena_t *other = arena_get(i);
+                if (other && other->kind == a->kind)
+                    ump_arena_trim(i);
+            }
+        }
+    }
+    return UMP_ERR_CAP;
+}
+
+static void unreserve(arena_t *a, size_t bytes, int failed)
+{
+    __atomic_fetch_sub(&budgets[a->kind].held, bytes, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&a->lock);
+    a->st.held_bytes -= bytes;
+    if (failed)
+        a->st.failures++;
+    pthread_mutex_unlock(&a->lock);
+}
+
+/* A new chunk from the provider, registered; not yet on any arena list. */
+static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
+{
+    int status = reserve(a, bytes);
+    if (status != UMP_OK) {
+        unreserve(a, 0, 1);
+        ump__set_status(status);
+        return NULL;
+    }
+    chunk_t *c = calloc(1, sizeof *c);
+    if (c && cls >= 0) {
+        c->nslots = (uint32_t)(bytes / block);
+        c->free_stack = malloc(c->nslots * sizeof *c->free_stack);
+        c->live = calloc((c->nslots + 63) / 64, sizeof *c->live);
+        if (!c->free_stack || !c->live) {
+            chunk_destroy(c);
+            c = NULL;
+        }
+    }
+    if (!c) {
+        unreserve(a, bytes, 1);
+        ump__set_status(UMP_ERR_NOMEM);
+        return NULL;
+    }
+    void *mem = NULL;
+    int zero = 0;
+    status = injected_failure() ? UMP_ERR_INJECTED
+                                : ump__provider_alloc(a->provider, bytes, &mem, &zero);
+    if (status != UMP_OK) {
+        chunk_destroy(c);
+        unreserve(a, bytes, 1);
+        ump__set_status(status);
+        return NULL;
+    }
+    if (a->advise_host)
+        ump__advise_host(mem, bytes);
+    c->base = (uintptr_t)mem;
+    c->size = bytes;
+    c->arena = a;
+    c->cls = cls;
+    c->block = block;
+    c->zero = zero;
+    if (cls >= 0) {
+        c->nfree = c->nslots;
+        /* pop from the end: slot 0 is handed out first */
+        for (uint32_t i = 0; i < c->nslots; i++)
+            c->free_stack[i] = c->nslots - 1 - i;
+    }
+    pthread_rwlock_wrlock(&reg_lock);
+    status = reg_insert(c);
+    pthread_rwlock_unlock(&reg_lock);
+    if (status != UMP_OK) {
+        ump__provider_free(a->provider, mem, bytes);
+        chunk_destroy(c);
+        unreserve(a, bytes, 1);
+        ump__set_status(status);
+        return NULL;
+    }
+    pthread_mutex_lock(&a->lock);
+    a->st.chunk_allocs++;
+    pthread_mutex_unlock(&a->lock);
+    return c;
+}
+
+/* Caller holds the arena lock; s has a free slot. */
+static void *slab_take(arena_t *a, chunk_t *s)
+{
+    uint32_t idx = s->free_stack[--s->nfree];
+    __atomic_fetch_or(&s->live[idx / 64], (uint64_t)1 << (idx % 64), __ATOMIC_RELAXED);
+    if (s->nfree == s->nslots - 1)
+        a->st.cached_bytes -= s->size; /* was wholly free */
+    if (s->nfree == 0)
+        list_unlink(&a->partial[s->cls], s);
+    st_alloc(&a->st, s->block);
+    return (void *)(s->base + (uintptr_t)idx * s->block);
+}
+
+static void *slab_alloc(arena_t *a, int cls)
+{
+    size_t block = class_size(cls);
+    for (int attempt = 0; attempt < 8; attempt++) {
+        pthread_mutex_lock(&a->lock);
+        chunk_t *s = a->partial[cls];
+        if (s) {
+            void *p = slab_take(a, s);
+            pthread_mutex_unlock(&a->lock);
+            return p;
+        }
+        pthread_mutex_unlock(&a->lock);
+        chunk_t *c = new_chunk(a, slab_bytes(block), cls, block);
+        if (!c)
+            return NULL;
+        pthread_mutex_lock(&a->lock);
+        a->st.cached_bytes += c->size;
+        list_push(&a->partial[cls], c);
+        void *p = slab_take(a, c);
+        pthread_mutex_unlock(&a->lock);
+        return p;
+    }
+    return NULL;
+}
+
+static void *large_alloc(arena_t *a, size_t rsize, int *zero)
+{
+    size_t want = round_up(rsize, LARGE_GRAIN);
+    pthread_mutex_lock(&a->lock);
+    chunk_t *best = NULL;
+    for (chunk_t *c = a->runs; c; c = c->next)
+        if (c->block >= want && c->block <= want + want / 8 &&
+            (!best || c->block < best->block))
+            best = c;
+    if (best) {
+        list_unlink(&a->runs, best);
+        a->st.cached_bytes -= best->size;
+    }
+    pthread_mutex_unlock(&a->lock);
+    if (!best) {
+        best = new_chunk(a, want, -1, want);
+        if (!best)
+            return NULL;
+    }
+    pthread_mutex_lock(&a->lock);
+    best->in_use = 1;
+    best->used = rsize;
+    *zero = best->zero;
+    best->zero = 0;
+    st_alloc(&a->st, best->block);
+    pthread_mutex_unlock(&a->lock);
+    return (void *)best->base;
+}
+
+/* zero: 0 = no, 1 = the first `zero_bytes` must read as zero. */
+static void *arena_alloc(arena_t *a, size_t size, size_t zero_bytes)
+{
+    if (size > SIZE_MAX - LARGE_GRAIN) {
+        ump__set_status(UMP_ERR_ARG);
+        return NULL;
+    }
+    size_t rsize = round_up(size ? size : 1, UMP_ALIGN);
+    void *p;
+    int fresh = 0;
+    if (rsize <= SMALL_MAX)
+        p = slab_alloc(a, class_of(rsize));
+    else
+        p = large_alloc(a, rsize, &fresh);
+    if (p && zero_bytes && !fresh)
+        memset(p, 0, zero_bytes);
+    return p;
+}
+
+void *ump_arena_alloc(int id, size_t size)
+{
+    arena_t *a = arena_get(id);
+    if (!a) {
+        ump__set_status(UMP_ERR_ARG);
+        return NULL;
+    }
+    return arena_alloc(a, size, 0);
+}
+
+/* Free a block if it is an arena's. Returns 1 if the pointer was in an arena
+ * chunk (freed, or refused as a double/interior free), 0 if not. */
+static int arena_free(void *ptr)
+{
+    uintptr_t p = (uintptr_t)ptr;
+    pthread_rwlock_rdlock(&reg_lock);
+    chunk_t *c = reg_find(p);
+    if (!c) {
+        pthread_rwlock_unlock(&reg_lock);
+        return 0;
+    }
+    arena_t *a = c->arena;
+    int bad = 0;
+    pthread_mutex_lock(&a->lock);
+    if (c->cls >= 0) {
+        uintptr_t off = p - c->base;
+        uint32_t idx = (uint32_t)(off / c->block);
+        uint64_t bit = (uint64_t)1 << (idx % 64);
+        if (off % c->block || !(c->live[idx / 64] & bit)) {
+            bad = 1;
+        } else {
+            __atomic_fetch_and(&c->live[idx / 64], ~bit, __ATOMIC_RELAXED);
+            c->free_stack[c->nfree++] = idx;
+            if (c->nfree == 1)
+                list_push(&a->partial[c->cls], c);
+            if (c->nfree == c->nslots)
+                a->st.cached_bytes += c->size;
+            st_free(&a->st, c->block);
+        }
+    } else if (p != c->base || !c->in_use) {
+        bad = 1;
+    } else {
+        c->in_use = 0;
+        c->used = 0;
+        list_push(&a->runs, c);
+        a->st.cached_bytes += c->size;
+        st_free(&a->st, c->block);
+    }
+    pthread_mutex_unlock(&a->lock);
+    pthread_rwlock_unlock(&reg_lock);
+    if (bad) {
+        __atomic_fetch_add(&foreign_frees, 1, __ATOMIC_RELAXED);
+        ump__set_status(UMP_ERR_ARG);
+    }
+    return 1;
+}
+
+int ump_arena_free(void *ptr)
+{
+    if (!ptr)
+        return UMP_OK;
+    uint64_t before = ump_foreign_frees();
+    if (!arena_free(ptr) || ump_foreign_frees() != before)
+        return ump__set_status(UMP_ERR_ARG);
+    return UMP_OK;
+}
+
+int ump_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
+{
+    int kind = UMP_KIND_NONE;
+    uintptr_t b = 0;
+    uint64_t s = 0;
+    int id = -1;
+    pthread_rwlock_rdlock(&reg_lock);
+    chunk_t *c = reg_find(p);
+    if (c) {
+        if (c->cls >= 0) {
+            uint32_t idx = (uint32_t)((p - c->base) / c->block);
+            uint64_t word = __atomic_load_n(&c->live[idx / 64], __ATOMIC_RELAXED);
+            if (word & ((uint64_t)1 << (idx % 64))) {
+                b = c->base + (uintptr_t)idx * c->block;
+                s = c->block;
+            }
+        } else if (__atomic_load_n(&c->in_use, __ATOMIC_RELAXED) &&
+                   p < c->base + c->used) {
+            b = c->base;
+            s = c->used;
+        }
+        if (s) {
+            kind = c->arena->kind;
+            id = c->arena->id;
+        }
+    }
+    pthread_rwlock_unlock(&reg_lock);
+    if (base)
+        *base = b;
+    if (size)
+        *size = s;
+    if (arena)
+        *arena = id;
+    return kind;
+}
+
+/* --- plain aligned fallback ---------------------------------------------
+ * Blocks served while no arena is active or the arena is full. They are kept
+ * in a hash set so that free() recognises them without reading memory in
+ * front of a pointer that may not be ours. */
+
+typedef struct { uintptr_t key; size_t size; } fb_slot;
+
+static pthread_mutex_t fb_lock = PTHREAD_MUTEX_INITIALIZER;
+static fb_slot *fb_tab;
+static size_t fb_cap, fb_n;
+static ump_stats_t fb_st;
+
+static size_t fb_hash(uintptr_t k, size_t cap)
+{
+    uint64_t h = (uint64_t)k * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h >> 20) & (cap - 1);
+}
+
+static int fb_grow(void)
+{
+    size_t ncap = fb_cap ? fb_cap * 2 : 1024;
+    fb_slot *n = calloc(ncap, sizeof *n);
+    if (!n)
+        return UMP_ERR_NOMEM;
+    for (size_t i = 0; i < fb_cap; i++) {
+        if (!fb_tab[i].key)
+            continue;
+        size_t j = fb_hash(fb_tab[i].key, ncap);
+        while (n[j].key)
+            j = (j + 1) & (ncap - 1);
+        n[j] = fb_tab[i];
+    }
+    free(fb_tab);
+    fb_tab = n;
+    fb_cap = ncap;
+    return UMP_OK;
+}
+
+/* Caller holds fb_lock. Index of k, or of the empty slot where it would go. */
+static size_t fb_find(uintptr_t k)
+{
+    size_t i = fb_hash(k, fb_cap);
+    while (fb_tab[i].key && fb_tab[i].key != k)
+        i = (i + 1) & (fb_cap - 1);
+    return i;
+}
+
+/* Linear-probing delete with backward shift: no tombstones. */
+static void fb_delete_at(size_t i)
+{
+    size_t j = i;
+    for (;;) {
+        fb_tab[i].key = 0;
+        for (;;) {
+            j = (j + 1) & (fb_cap - 1);
+            if (!fb_tab[j].key)
+                return;
+            size_t h = fb_hash(fb_tab[j].key, fb_cap);
+            /* can the entry at j move to i? */
+            if (i <= j ? (i < h && h <= j) : (i < h || h <= j))
+                continue;
+            break;
+        }
+        fb_tab[i] = fb_tab[j];
+        i = j;
+    }
+}
+
+static void *fallback_alloc(size_t size, int zero)
+{
+    if (size > SIZE_MAX - UMP_ALIGN) {
+        ump__set_status(UMP_ERR_ARG);
+        return NULL;
+    }
+    size_t rsize = round_up(size ? size : 1, UMP_ALIGN);
+    void *p = NULL;
+    if (posix_memalign(&p, UMP_ALIGN, rsize) != 0) {
+        ump__set_status(UMP_ERR_NOMEM);
+        return NULL;
+    }
+    if (zero)
+        memset(p, 0, rsize);
+    pthread_mutex_lock(&fb_lock);
+    if ((fb_n + 1) * 2 > fb_cap && fb_grow() != UMP_OK) {
+        pthread_mutex_unlock(&fb_lock);
+        free(p);
+        ump__set_status(UMP_ERR_NOMEM);
+        return NULL;
+    }
+    size_t i = fb_find((uintptr_t)p);
+    fb_tab[i].key = (uintptr_t)p;
+    fb_tab[i].size = rsize;
+    fb_n++;
+    st_alloc(&fb_st, rsize);
+    pthread_mutex_unlock(&fb_lock);
+    return p;
+}
+
+/* Size of a live fallback block, 0 if p is not one. Removes it if `take`. */
+static size_t fallback_owned(void *p, int take)
+{
+    size_t size = 0;
+    pthread_mutex_lock(&fb_lock);
+    if (fb_cap) {
+        size_t i = fb_find((uintptr_t)p);
+        if (fb_tab[i].key) {
+            size = fb_tab[i].size;
+            if (take) {
+                fb_delete_at(i);
+                fb_n--;
+                st_free(&fb_st, size);
+            }
+        }
+    }
+    pthread_mutex_unlock(&fb_lock);
+    return size;
+}
+
+int ump_fallback_stats(ump_stats_t *out)
+{
+    if (!out)
+        return ump__set_status(UMP_ERR_ARG);
+    pthread_mutex_lock(&fb_lock);
+    *out = fb_st;
+    pthread_mutex_unlock(&fb_lock);
+    return UMP_OK;
+}
+
+/* --- NEP 49 hooks -------------------------------------------------------- */
+
+int ump_set_numpy_arena(int id)
+{
+    if (id != -1 && !arena_get(id))
+        return ump__set_status(UMP_ERR_ARG);
+    __atomic_store_n(&numpy_arena, id, __ATOMIC_RELEASE);
+    return UMP_OK;
+}
+
+int ump_get_numpy_arena(void) { return __atomic_load_n(&numpy_arena, __ATOMIC_ACQUIRE); }
+
+static void *numpy_alloc(size_t size, size_t zero_bytes)
+{
+    arena_t *a = arena_get(ump_get_numpy_arena());
+    if (a && !ump__forked) {
+        void *p = arena_alloc(a, size, zero_bytes);
+        if (p)
+            return p;
+    }
+    /* No arena, or it is full: plain memory, which NumPy uses as usual. */
+    return fallback_alloc(size, zero_bytes != 0);
+}
+
+void *ump_malloc(size_t size) { return numpy_alloc(size, 0); }
+
+void *ump_calloc(size_t nmemb, size_t size)
+{
+    if (size && nmemb > SIZE_MAX / size) {
+        ump__set_status(UMP_ERR_ARG);
+        return NULL;
+    }
+    size_t total = nmemb * size;
+    return numpy_alloc(total, total ? total : 1);
+}
+
+void ump_free(void *ptr, size_t size)
+{
+    (void)size; /* NumPy's idea of the size; the registry knows the block's */
+    if (!ptr)
+        return;
+    if (arena_free(ptr))
+        return;
+    if (fallback_owned(ptr, 1)) {
+        free(ptr);
+        return;
+    }
+    /* Not ours: never hand it to a free() that did not allocate it. */
+    __atomic_fetch_add(&foreign_frees, 1, __ATOMIC_RELAXED);
+}
+
+void *ump_realloc(void *ptr, size_t size)
+{
+    if (!ptr)
+        return ump_malloc(size);
+    if (size > SIZE_MAX - LARGE_GRAIN) {
+        ump__set_status(UMP_ERR_ARG);
+        return NULL;
+    }
+    size_t rsize = round_up(size ? size : 1, UMP_ALIGN);
+    size_t old = 0;
+    int in_place = 0;
+    pthread_rwlock_rdlock(&reg_lock);
+    chunk_t *c = reg_find((uintptr_t)ptr);
+    if (c) {
+        pthread_mutex_lock(&c->arena->lock);
+        if (c->cls >= 0) {
+            uintptr_t off = (uintptr_t)ptr - c->base;
+            uint32_t idx = (uint32_t)(off / c->block);
+            if (off % c->block == 0 && (c->live[idx / 64] >> (idx % 64)) & 1) {
+                old = c->block;
+                in_place = rsize <= c->block && class_of(rsize) == c->cls;
+            }
+        } else if ((uintptr_t)ptr == c->base && c->in_use) {
+            old = c->used;
+            in_place = rsize <= c->block && rsize > SMALL_MAX &&
+                       round_up(rsize, LARGE_GRAIN) + c->block / 8 >= c->block;
+            if (in_place)
+                c->used = rsize;
+        }
+        pthread_mutex_unlock(&c->arena->lock);
+    }
+    pthread_rwlock_unlock(&reg_lock);
+    if (!c)
+        old = fallback_owned(ptr, 0);
+    if (!old) {
+        ump__set_status(UMP_ERR_ARG); /* not a live ump block: leave it alone */
+        return NULL;
+    }
+    if (in_place)
+        return ptr;
+    void *n = ump_malloc(size);
+    if (!n)
+        return NULL; /* the old block stays valid, as realloc promises */
+    memcpy(n, ptr, old < rsize ? old : rsize);
+    ump_free(ptr, old);
+    return n;
+}
+
+/* --- fork ---------------------------------------------------------------
+ * A child must not call CUDA; it keeps its inherited blocks usable (freeing
+ * them only updates metadata) and serves new NumPy arrays from plain memory.
+ * The locks are held across fork() so the child never inherits one held by a
+ * thread that does not exist there. */
+
+static void atfork_prepare(void)
+{
+    pthread_mutex_lock(&arenas_lock);
+    pthread_rwlock_wrlock(&reg_lock);
+    for (int i = 0; i < n_arenas; i++)
+        pthread_mutex_lock(&arenas[i]->lock);
+    pthread_mutex_lock(&fb_lock);
+}
+
+static void atfork_release(void)
+{
+    pthread_mutex_unlock(&fb_lock);
+    for (int i = n_arenas - 1; i >= 0; i--)
+        pthread_mutex_unlock(&arenas[i]->lock);
+    pthread_rwlock_unlock(&reg_lock);
+    pthread_mutex_unlock(&arenas_lock);
+}
+
+static void atfork_child(void)
+{
+    /* glibc's rwlock remembers the writer's thread id, which differs in the
+     * child: unlocking would corrupt it. The child has one thread and no
+     * other holder, so fresh locks are exact. */
+    ump__forked = 1;
+    pthread_mutex_init(&fb_lock, NULL);
+    for (int i = 0; i < n_arenas; i++)
+        pthread_mutex_init(&arenas[i]->lock, NULL);
+    pthread_rwlock_init(&reg_lock, NULL);
+    pthread_mutex_init(&arenas_lock, NULL);
+}
+
+__attribute__((constructor)) static void ump_init(void)
+{
+    pthread_atfork(atfork_prepare, atfork_release, atfork_child);
+}

@@ -1,0 +1,23 @@
+/* internal.h - what arena.c and cuda.c share; not part of the public API. */
+#ifndef UMP_INTERNAL_H
+#define UMP_INTERNAL_H
+
+#include "ump.h"
+
+#define UMP_HIDDEN __attribute__((visibility("hidden")))
+
+/* Record a status for ump_last_status(); returns it. */
+UMP_HIDDEN int ump__set_status(int status);
+
+/* Take `size` bytes (a multiple of the page size) from a provider. Returns
+ * UMP_OK and *out, or a status. Called with no ump lock held: CUDA calls are
+ * slow and may synchronise. `fresh_zero` is set when the memory is known to
+ * be zero-filled. */
+UMP_HIDDEN int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero);
+UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size);
+/* Advise a new managed chunk to live on the host and be mapped by the GPU. */
+UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
+
+UMP_HIDDEN extern volatile int ump__forked;
+
+#endif

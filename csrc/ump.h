@@ -1,0 +1,108 @@
+/*
+ * ump.h - the C core of ump: aligned allocation hooks for NumPy (NEP 49),
+ * size-class arenas over large chunks, and the registry that answers
+ * "is this pointer ours, which kind, which block".
+ *
+ * Every function here is callable without the GIL and from any thread.
+ * None of them raises: failures return NULL / a negative value and leave a
+ * status that Python reads with ump_last_status().
+ */
+#ifndef UMP_H
+#define UMP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define UMP_ABI_VERSION 1
+
+/* CuPy's kernels and memory pool work in 512-byte units, so every block is
+ * aligned to 512 bytes and its size rounded up to a multiple of 512. */
+#define UMP_ALIGN 512u
+
+/* Kinds of memory, as reported by ump_lookup(). */
+enum ump_kind {
+    UMP_KIND_NONE = 0,    /* not a live ump block */
+    UMP_KIND_HOST = 1,    /* plain host memory, no GPU in the process */
+    UMP_KIND_SYSTEM = 2,  /* plain host memory on a SAM (HMM/ATS) machine */
+    UMP_KIND_MANAGED = 3, /* cuMemAllocManaged */
+    UMP_KIND_PINNED = 4,  /* host memory registered with the GPU, mapped */
+    UMP_KIND_DEVICE = 5   /* device-only memory (VMM pool) */
+};
+
+/* Where an arena takes its chunks from. */
+enum ump_provider {
+    UMP_PROVIDER_HOST = 0,     /* anonymous mmap */
+    UMP_PROVIDER_MANAGED = 1,  /* cuMemAllocManaged(..., CU_MEM_ATTACH_GLOBAL) */
+    UMP_PROVIDER_PINNED = 2    /* anonymous mmap + cuMemHostRegister(DEVICEMAP) */
+};
+
+/* Status codes beyond CUDA's own CUresult values (which are >= 0). */
+#define UMP_OK 0
+#define UMP_ERR_NOMEM (-1)      /* the OS or the provider is out of memory */
+#define UMP_ERR_CAP (-2)        /* the arena's cap would be exceeded */
+#define UMP_ERR_NOCUDA (-3)     /* libcuda.so.1 is not loaded */
+#define UMP_ERR_FORKED (-4)     /* a child after fork() must not call CUDA */
+#define UMP_ERR_ARG (-5)        /* a bad argument (size, arena id, ...) */
+#define UMP_ERR_INJECTED (-6)   /* failure injected by ump_fault_inject() */
+
+#define UMP_MAX_ARENAS 8
+
+typedef struct {
+    uint64_t current_bytes, peak_bytes, total_bytes;
+    uint64_t current_count, peak_count, total_count;
+    uint64_t held_bytes;     /* taken from the provider (live + cached) */
+    uint64_t cached_bytes;   /* held but wholly free (empty slabs, free runs) */
+    uint64_t cap_bytes;
+    uint64_t chunk_allocs;   /* provider calls that succeeded */
+    uint64_t chunk_frees;
+    uint64_t failures;       /* allocations refused (cap, provider error) */
+} ump_stats_t;
+
+/* --- NumPy hooks (NEP 49, through numpy_allocator) ---------------------- */
+void *ump_malloc(size_t size);
+void *ump_calloc(size_t nmemb, size_t size);
+void *ump_realloc(void *ptr, size_t size);
+void ump_free(void *ptr, size_t size);
+
+/* The arena that ump_malloc serves from; -1 serves plain aligned memory. */
+int ump_set_numpy_arena(int arena);
+int ump_get_numpy_arena(void);
+
+/* --- arenas -------------------------------------------------------------- */
+int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int advise_host);
+int ump_arena_set_cap(int arena, uint64_t cap_bytes);
+void *ump_arena_alloc(int arena, size_t size);
+int ump_arena_free(void *ptr);
+int ump_arena_trim(int arena);
+int ump_arena_stats(int arena, ump_stats_t *out);
+int ump_fallback_stats(ump_stats_t *out);
+
+/* --- registry ------------------------------------------------------------ */
+/* Kind of the live block holding ptr (UMP_KIND_NONE if none); base/size/arena
+ * may be NULL. O(log chunks). */
+int ump_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *arena);
+uint64_t ump_foreign_frees(void);
+
+/* --- CUDA ---------------------------------------------------------------- */
+int ump_cuda_load(const char *path);
+int ump_cuda_set_context(uintptr_t ctx, int device);
+int ump_prefetch(uintptr_t ptr, uint64_t size, int device, uintptr_t stream);
+int ump_advise(uintptr_t ptr, uint64_t size, int advice, int device);
+int ump_cuda_error_name(int status, char *buf, size_t len);
+
+/* --- diagnostics --------------------------------------------------------- */
+int ump_last_status(void);
+int ump_abi_version(void);
+/* Fail provider calls: skip `after` successful ones, then fail `count`
+ * (-1: all). ump_fault_inject(0, 0) turns injection off. */
+void ump_fault_inject(int64_t after, int64_t count);
+int ump_is_forked_child(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,248 @@
+"""The C core through its exported functions: hooks, arenas, registry."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import sys
+import threading
+
+import pytest
+
+from ump import _core
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def arena():
+    """A host arena with its own cap; serving NumPy's hooks while the test runs."""
+    a = _core.Arena("host", _core.PROVIDER_HOST, 1 << 30)
+    previous = _core.get_numpy_arena()
+    _core.set_numpy_arena(a.id)
+    yield a
+    _core.set_numpy_arena(previous)
+    a.trim()
+
+
+SIZES = [0, 1, 7, 511, 512, 513, 4096, 4097, 65536 + 3, MiB - 1, MiB, MiB + 1, 3 * MiB + 5, 40 * MiB]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_malloc_alignment_and_rounding(arena, size):
+    p = _core.malloc(size)
+    assert p and p % 512 == 0
+    kind, base, block = _core.lookup(p)
+    assert kind == "host" and base == p
+    assert block % 512 == 0 and block >= max(size, 1)
+    assert block <= max(512, size * 1.125 + 512)  # bounded internal waste
+    ctypes.memset(p, 0xAB, max(size, 1))
+    _core.free(p, size)
+    assert _core.lookup(p)[0] is None
+
+
+def test_interior_pointers_resolve_to_their_block(arena):
+    p = _core.malloc(10_000)
+    assert _core.lookup(p + 9_999)[:2] == ("host", p)
+    q = _core.malloc(5 * MiB)
+    assert _core.lookup(q + 5 * MiB - 1)[:2] == ("host", q)
+    assert _core.lookup(q + 5 * MiB + 100)[:2] != ("host", q)  # past the block
+    _core.free(p, 0)
+    _core.free(q, 0)
+
+
+def test_calloc_zeroes_reused_memory(arena):
+    for size in (600, 200_000, 6 * MiB):
+        p = _core.malloc(size)
+        ctypes.memset(p, 0xFF, size)
+        _core.free(p, size)
+        q = _core.calloc(size, 1)
+        assert q == p  # the same block comes back...
+        assert ctypes.string_at(q, size) == bytes(size)  # ...zeroed
+        _core.free(q, size)
+
+
+def test_calloc_rejects_overflow(arena):
+    assert not _core.calloc(1 << 62, 8)
+    assert not _core.calloc(sys.maxsize, sys.maxsize)
+    assert _core.error_name(_core.last_status()) == "UMP_ERR_ARG"
+    p = _core.calloc(0, 8)  # a unique non-NULL pointer, as calloc allows
+    assert p
+    _core.free(p, 0)
+
+
+def test_malloc_of_absurd_size_fails_cleanly(arena):
+    assert not _core.malloc(2**64 - 1)
+    assert not _core.malloc(2**63)
+
+
+@pytest.mark.parametrize("start,end", [(100, 50_000), (50_000, 100), (1000, 3 * MiB),
+                                       (3 * MiB, 10 * MiB), (10 * MiB, 1000), (512, 512)])
+def test_realloc_keeps_data_and_alignment(arena, start, end):
+    p = _core.malloc(start)
+    pattern = random.Random(start).randbytes(start)
+    ctypes.memmove(p, pattern, start)
+    q = _core.realloc(p, end)
+    assert q and q % 512 == 0
+    keep = min(start, end)
+    assert ctypes.string_at(q, keep) == pattern[:keep]
+    kind, base, block = _core.lookup(q)
+    assert kind == "host" and base == q and block >= end
+    if q != p:
+        assert _core.lookup(p)[0] is None or _core.lookup(p)[1] != p
+    _core.free(q, end)
+
+
+def test_realloc_null_is_malloc_and_foreign_is_refused(arena):
+    p = _core.realloc(None, 1000)
+    assert _core.lookup(p)[0] == "host"
+    _core.free(p, 1000)
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    foreign = libc.malloc(64)
+    assert not _core.realloc(foreign, 128)  # never realloc'd by the wrong allocator
+    libc.free(ctypes.c_void_p(foreign))
+
+
+def test_free_null_and_foreign_pointers(arena):
+    _core.free(None, 0)
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    foreign = libc.malloc(4096)
+    before = _core.foreign_frees()
+    _core.free(foreign, 4096)  # not ours: must not be freed (libc would double free later)
+    assert _core.foreign_frees() == before + 1
+    libc.free(ctypes.c_void_p(foreign))
+    p = _core.malloc(1000)
+    _core.free(p + 512, 1000)  # interior pointer of a live block
+    _core.free(p, 1000)
+    _core.free(p, 1000)  # double free
+    assert _core.foreign_frees() == before + 3
+    assert _core.lookup(p)[0] is None
+
+
+def test_statistics_and_trim(arena):
+    s0 = arena.statistics()
+    ptrs = [_core.malloc(n) for n in (100, 5000, 2 * MiB, 7 * MiB)]
+    s1 = arena.statistics()
+    assert s1.current_count == s0.current_count + 4
+    assert s1.current_bytes >= s0.current_bytes + 9 * MiB
+    assert s1.peak_bytes >= s1.current_bytes and s1.held_bytes >= s1.current_bytes
+    for p in ptrs:
+        _core.free(p, 0)
+    s2 = arena.statistics()
+    assert (s2.current_bytes, s2.current_count) == (s0.current_bytes, s0.current_count)
+    assert s2.cached_bytes > 0
+    arena.trim()
+    s3 = arena.statistics()
+    assert s3.cached_bytes == 0 and s3.held_bytes == s0.held_bytes - s0.cached_bytes
+    assert s3.chunk_frees > s0.chunk_frees
+
+
+def test_cap_makes_numpy_fall_back(arena):
+    arena.trim()
+    arena.set_cap(arena.statistics().held_bytes + 8 * MiB)
+    try:
+        inside = _core.malloc(6 * MiB)
+        assert _core.lookup(inside)[0] == "host"
+        fb_before = _core.fallback_statistics()
+        outside = _core.malloc(6 * MiB)  # past the cap: plain memory, still usable
+        assert outside and outside % 512 == 0 and _core.lookup(outside)[0] is None
+        ctypes.memset(outside, 1, 6 * MiB)
+        assert _core.fallback_statistics().current_count == fb_before.current_count + 1
+        with pytest.raises(_core.OutOfMemoryError):
+            arena.allocate(6 * MiB)  # the CuPy-side path raises instead
+        assert arena.statistics().failures >= 1
+        grown = _core.realloc(outside, 7 * MiB)  # fallback blocks realloc too
+        assert ctypes.string_at(grown, 16) == b"\x01" * 16
+        _core.free(grown, 0)
+        _core.free(inside, 0)
+        assert _core.fallback_statistics().current_count == fb_before.current_count
+    finally:
+        arena.set_cap(1 << 30)
+
+
+def test_fault_injection(arena):
+    arena.trim()
+    _core.fault_inject(0, -1)  # every provider call fails
+    try:
+        with pytest.raises(_core.OutOfMemoryError, match="UMP_ERR_INJECTED"):
+            arena.allocate(9 * MiB)
+        p = _core.malloc(9 * MiB)  # NumPy's path falls back
+        assert p and _core.lookup(p)[0] is None
+        _core.free(p, 0)
+    finally:
+        _core.fault_inject(0, 0)
+    _core.fault_inject(1, 1)  # the second provider call fails
+    try:
+        a = arena.allocate(9 * MiB)
+        with pytest.raises(_core.OutOfMemoryError):
+            arena.allocate(9 * MiB)
+        b = arena.allocate(9 * MiB)
+        arena.deallocate(a)
+        arena.deallocate(b)
+    finally:
+        _core.fault_inject(0, 0)
+
+
+def test_registry_lookups_from_many_threads(arena):
+    errors = []
+    live = {}
+    lock = threading.Lock()
+
+    def worker(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(3000):
+                if mine and rng.random() < 0.45:
+                    p, n = mine.pop(rng.randrange(len(mine)))
+                    kind, base, block = _core.lookup(p + n - 1)
+                    assert kind == "host" and base == p and block >= n
+                    assert ctypes.string_at(p, 8) == (p & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+                    _core.free(p, n)
+                else:
+                    n = rng.choice([8, 600, 5000, 70_000, 300_000, 2 * MiB + 3])
+                    p = _core.malloc(n)
+                    ctypes.memmove(p, (p & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"), 8)
+                    mine.append((p, n))
+            for p, n in mine:
+                _core.free(p, n)
+        except Exception as err:
+            with lock:
+                errors.append(err)
+
+    before = arena.statistics()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    after = arena.statistics()
+    assert after.current_count == before.current_count and after.current_bytes == before.current_bytes
+    assert not live
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_fork_child_falls_back_and_frees_inherited_blocks(arena):
+    inherited = _core.malloc(4096)
+    ctypes.memset(inherited, 7, 4096)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no CUDA, plain memory for new blocks
+        ok = _core.is_forked_child() == 1
+        ok &= ctypes.string_at(inherited, 4) == b"\x07" * 4
+        _core.free(inherited, 4096)
+        fresh = _core.malloc(1000)
+        ok &= bool(fresh) and _core.lookup(fresh)[0] is None
+        _core.free(fresh, 1000)
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.waitpid(pid, 0)
+    assert _core.is_forked_child() == 0
+    assert _core.lookup(inherited)[0] == "host"  # the parent's block is untouched
+    _core.free(inherited, 4096)

@@ -1,0 +1,49 @@
+"""The perf suite: its CPU smoke mode runs, and --compare catches slow-downs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+from ump import bench
+
+
+def _report(median, spread=0.02, case="np.empty 64B", config="stock"):
+    times = [median * (1 + spread * k) for k in (-2, -1, 0, 1, 2)]
+    return {"configs": [config], "results": {case: {"suite": "alloc_numpy", config: {
+        "cpu": bench._summary(times), "gpu": None, "cpu_times": times, "gpu_times": []}}}}
+
+
+def test_compare_flags_an_injected_slowdown_and_passes_equal_runs():
+    old = _report(100.0)
+    assert bench.compare(old, copy.deepcopy(old)) == []
+    assert bench.compare(old, _report(104.0)) == []  # within noise
+    slow = bench.compare(old, _report(150.0))
+    assert len(slow) == 1 and "np.empty 64B" in slow[0]
+    # a slow-down hidden in noise (wide spread) is not flagged
+    assert bench.compare(_report(100.0, spread=0.4), _report(130.0, spread=0.4)) == []
+
+
+def test_smoke_run_and_compare_cli(tmp_path):
+    out = tmp_path / "a.json"
+    run = subprocess.run([sys.executable, "-m", "ump", "bench", "--smoke", "--suites", "alloc_numpy",
+                          "--output", str(out), "--plot", ""], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert "np.empty 1MiB" in report["results"] and "stock" in report["configs"]
+    assert "| np.empty 64B |" in run.stdout
+    # the same run compared with itself passes...
+    same = subprocess.run([sys.executable, "-m", "ump", "bench", "--compare", str(out), "--input", str(out)],
+                          capture_output=True, text=True)
+    assert same.returncode == 0 and "no slow-down" in same.stdout
+    # ...and one made 3x slower on purpose fails
+    slowed = copy.deepcopy(report)
+    entry = slowed["results"]["alloc/free churn (256 arrays)"]["stock"]
+    entry["cpu"] = {k: (v * 3 if isinstance(v, float) else v) for k, v in entry["cpu"].items()}
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps(slowed))
+    flagged = subprocess.run([sys.executable, "-m", "ump", "bench", "--compare", str(out), "--input", str(bad)],
+                             capture_output=True, text=True)
+    assert flagged.returncode == 1 and "SLOWER: alloc/free churn" in flagged.stdout

@@ -1,0 +1,197 @@
+"""enable()/disable(), the NumPy hook, threads, errors: on any machine.
+
+Without a GPU ``backend="auto"`` picks ``host``; with one, these tests use
+``host`` only where the machine has no GPU and skip otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import ump
+from ump import _core, _numpy_hook
+
+handler_name = np._core.multiarray.get_handler_name
+
+
+@pytest.fixture
+def cpu_only(caps):
+    if caps.gpu:
+        pytest.skip("the host backend runs only on machines without a GPU")
+
+
+def test_enable_registers_numpy_and_disable_restores(cpu_only):
+    before = np.arange(1 << 18)
+    assert ump.kind_of(before) is None and not ump.is_enabled()
+    assert ump.enable() == "host" and ump.backend() == "host"
+    a = np.empty(1 << 20)
+    assert ump.kind_of(a) == "host" and handler_name(a) == "ump" and _numpy_hook.owns(a)
+    assert not _numpy_hook.owns(before)
+    assert ump.disable() is True
+    assert handler_name() == "default_allocator"
+    after = np.ones(1 << 20)
+    assert ump.kind_of(after) is None
+    # arrays from both sides of the switch keep working and free through their own handler
+    a[:] = 3
+    assert a.sum() == 3 * (1 << 20) and before.sum() == (1 << 18) * ((1 << 18) - 1) // 2
+    del a, before
+
+
+def test_arrays_in_new_threads_are_ump(cpu_only):
+    ump.enable()
+    seen = {}
+
+    def make(key):
+        arr = np.empty(1 << 16)
+        seen[key] = (ump.kind_of(arr), handler_name())
+
+    t = threading.Thread(target=make, args=("thread",))
+    t.start()
+    t.join()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(make, ["pool0", "pool1"]))
+    assert seen == {k: ("host", "ump") for k in ("thread", "pool0", "pool1")}
+    ump.disable()
+    t = threading.Thread(target=make, args=("after",))
+    t.start()
+    t.join()
+    assert seen["after"] == (None, "default_allocator")
+
+
+def test_enabled_context_manager(cpu_only):
+    with ump.enabled() as name:
+        assert name == "host" and ump.kind_of(np.zeros(1000)) == "host"
+    assert not ump.is_enabled() and handler_name() == "default_allocator"
+
+
+def test_enable_twice_and_disable_twice(cpu_only):
+    assert ump.enable() == "host"
+    assert ump.enable() == "host"  # the same request again: nothing happens
+    with pytest.raises(ump.UmpError, match="already enabled"):
+        ump.enable(cap=1 << 20)
+    assert ump.disable() is True
+    assert ump.disable() is False  # nothing to undo
+
+
+def test_many_cycles_leak_nothing(cpu_only):
+    foreign = _core.foreign_frees()
+    keep = []
+    for i in range(300):
+        with ump.enabled():
+            keep.append(np.full(1000 + i, i, dtype=np.int64))
+        keep.append(np.full(10, i))
+    assert all(int(k[0]) == i // 2 for i, k in enumerate(keep))
+    with ump.enabled():
+        stats = ump.statistics()["numpy"]
+    assert stats.current_count >= 300
+    del keep
+    with ump.enabled():
+        assert ump.statistics()["numpy"].current_count < 300
+    assert _core.foreign_frees() == foreign  # every free found its block
+
+
+def test_cap_exhaustion_falls_back(cpu_only):
+    ump.enable(cap=16 << 20)
+    ump.trim()
+    small = [np.ones(1 << 20, dtype=np.uint8) for _ in range(4)]
+    big = np.ones(64 << 20, dtype=np.uint8)
+    assert all(ump.kind_of(s) == "host" for s in small)
+    assert ump.kind_of(big) is None and int(big[::4096].sum()) == (64 << 20) // 4096
+    assert ump.statistics()["fallback"].current_count >= 1
+
+
+@pytest.mark.parametrize("options,error", [
+    ({"cap": -1}, ValueError), ({"cap": 0}, ValueError), ({"cap": 1.5}, ValueError),
+    ({"cap": "1G"}, TypeError), ({"cap": True}, TypeError), ({"cap": 1 << 70}, ValueError),
+    ({"device": -1}, ValueError), ({"device": "0"}, ValueError), ({"placement": "gpu"}, ValueError),
+    ({"sync": "never"}, ValueError), ({"prefetch_min": -5}, ValueError), ({"colour": 1}, TypeError),
+])
+def test_bad_options_are_rejected(options, error):
+    with pytest.raises(error):
+        ump.enable(**options)
+    assert not ump.is_enabled()
+
+
+def test_unknown_and_unavailable_backends(caps):
+    with pytest.raises(ValueError, match="unknown backend 'gpu'"):
+        ump.enable("gpu")
+    if not caps.gpu:
+        with pytest.raises(ump.BackendUnavailableError, match="no GPU"):
+            ump.enable("managed")
+        with pytest.raises(ump.BackendUnavailableError, match="system"):
+            ump.enable("system")
+    elif not caps.devices[0].pageable_memory_access:
+        with pytest.raises(ump.BackendUnavailableError, match="pageable memory access is 0"):
+            ump.enable("system")
+    if caps.gpu:
+        with pytest.raises(ValueError, match="device 99 does not exist"):
+            ump.enable(device=99)
+    assert not ump.is_enabled()
+
+
+@pytest.mark.parametrize("garbage", ["abc", 1.5, None, object(), [1, 2], True])
+def test_kind_of_garbage(garbage):
+    with pytest.raises(TypeError):
+        ump.kind_of(garbage)
+
+
+def test_kind_of_addresses():
+    with pytest.raises(ValueError):
+        ump.kind_of(-4)
+    assert ump.kind_of(0) is None and ump.kind_of(2**64 + 5) is None
+    assert ump.kind_of(id(object())) is None
+
+
+def test_gpu_only_functions_need_a_gpu_backend(cpu_only):
+    with pytest.raises(ump.UmpError, match="not enabled"):
+        ump.asarray(np.zeros(3))
+    ump.enable()
+    with pytest.raises(ump.UmpError, match="no GPU side"):
+        ump.asnumpy(np.zeros(3))
+    with pytest.raises(ump.UmpError, match="no GPU side"):
+        ump.prefetch(np.zeros(3))
+
+
+def test_probe_without_gpu_never_raises(caps):
+    assert isinstance(caps, ump.Capabilities)
+    if not caps.gpu:
+        assert caps.reason and caps.devices == ()
+    assert caps.numpy_version == np.__version__
+    assert caps.numpy_allocator_version is not None
+
+
+def test_import_creates_no_context_and_imports_no_cupy():
+    code = "import sys, ump; ump.probe(); print('cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_info_command():
+    out = subprocess.run([sys.executable, "-m", "ump", "info"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "enable() would choose:" in out.stdout and "backend host:" in out.stdout
+
+
+def test_public_api_is_pinned():
+    assert sorted(ump.__all__) == sorted([
+        "__version__", "BackendUnavailableError", "Capabilities", "DeviceInfo", "Options",
+        "OutOfMemoryError", "Statistics", "UmpError", "UmpWarning", "advise", "asarray",
+        "asnumpy", "backend", "disable", "enable", "enabled", "is_enabled", "kind_of",
+        "prefetch", "probe", "statistics", "synchronize", "trim"])
+    assert issubclass(ump.OutOfMemoryError, MemoryError) and issubclass(ump.OutOfMemoryError, ump.UmpError)
+
+
+def test_extension_exports_c_hooks():
+    nm = subprocess.run(["nm", "-D", "--defined-only", _core._ucore.__file__],
+                        capture_output=True, text=True)
+    if nm.returncode != 0:
+        pytest.skip("nm is not available")
+    exported = {line.split()[-1] for line in nm.stdout.splitlines() if " T " in line}
+    assert {"ump_malloc", "ump_calloc", "ump_realloc", "ump_free"} <= exported
+    assert not any(name.startswith("ump__") for name in exported)  # internals stay hidden

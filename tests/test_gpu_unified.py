@@ -1,0 +1,286 @@
+"""Unified arrays on a real GPU with real CuPy: identity, copies, sync, caps.
+
+Run with CUPY_ENABLE_UMP=1 on a CUDA machine; skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import ump
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+          np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
+
+# A kernel that runs long enough (~100 ms) for a host read to race it.
+SPIN = r"""
+extern "C" __global__ void spin_then_write(double *x, long n, long long cycles) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+    if (i < n) x[i] = x[i] * 2.0 + 1.0;
+}
+"""
+
+
+def _spin(cupy):
+    return cupy.RawKernel(SPIN, "spin_then_write")
+
+
+def _launch_spin(cupy, g, cycles=200_000_000):
+    kernel = _spin(cupy)
+    n = g.size
+    kernel(((n + 255) // 256,), (256,), (g, np.int64(n), np.int64(cycles)))
+
+
+def test_stock_cupy_asserts_without_sam(gpu_caps):
+    """The problem ump solves: CuPy's own UMP path fails on GPUs without SAM."""
+    if gpu_caps.devices[0].pageable_memory_access:
+        pytest.skip("this GPU has SAM: stock CuPy's UMP path works here")
+    code = "import cupy; cupy.array([1, 2, 3])"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "CUPY_ENABLE_UMP": "1"})
+    assert run.returncode != 0 and "AssertionError" in run.stderr
+
+
+def test_enable_makes_cupy_work(gpu_backend):
+    name, cupy = gpu_backend
+    assert cupy.array([1, 2, 3]).tolist() == [1, 2, 3]
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    g = cupy.asarray(a)
+    assert ump.kind_of(a) == name
+    assert g.data.ptr == a.ctypes.data
+    assert (g.sum() == a.sum()).item()
+    # CuPy internals that build arrays from host lists (fancy indexing,
+    # concatenate's pointer tables) keep working with CUPY_ENABLE_UMP=1.
+    assert g[[0, 2]].shape == (2, 4)
+    assert cupy.concatenate([g, g, g]).shape == (9, 4)
+    assert (g @ g.T).shape == (3, 3)
+
+
+def test_numpy_cupy_numpy_same_address(gpu_backend):
+    _, cupy = gpu_backend
+    a = np.arange(1 << 20, dtype=np.float64)
+    g = cupy.asarray(a)
+    assert g.data.ptr == a.ctypes.data
+    g *= 2
+    b = cupy.asnumpy(g)
+    assert b.ctypes.data == a.ctypes.data
+    assert b[5] == 10.0 and a[7] == 14.0
+    c = g.get()
+    assert c.ctypes.data == a.ctypes.data
+    d = np.asarray(g)
+    assert d.ctypes.data == a.ctypes.data
+    e = cupy.array(a, copy=False)
+    assert e.data.ptr == a.ctypes.data
+
+
+def test_cupy_numpy_cupy_same_address(gpu_backend):
+    name, cupy = gpu_backend
+    g = cupy.arange(1 << 18, dtype=cupy.float32)
+    assert ump.kind_of(g) == name
+    b = cupy.asnumpy(g)
+    assert b.ctypes.data == g.data.ptr
+    assert b[100] == 100.0
+    g2 = cupy.asarray(b)
+    assert g2.data.ptr == g.data.ptr
+    g2 += 1
+    assert cupy.asnumpy(g2)[100] == 101.0 and b[100] == 101.0
+
+
+def test_copy_true_copies(gpu_backend):
+    _, cupy = gpu_backend
+    a = np.ones(1000, dtype=np.int32)
+    g = cupy.array(a)  # copy=True is CuPy's default
+    assert g.data.ptr != a.ctypes.data
+    g[:] = 7
+    cupy.cuda.runtime.deviceSynchronize()
+    assert a[0] == 1
+    h = cupy.array(a, copy=True, dtype=np.float64)
+    assert h.dtype == np.float64 and float(h[3]) == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_dtypes_zero_copy(gpu_backend, dtype):
+    _, cupy = gpu_backend
+    a = (np.arange(4096) % 2).astype(dtype)
+    g = cupy.asarray(a)
+    assert g.data.ptr == a.ctypes.data and g.dtype == a.dtype
+    g2 = g + g
+    np.testing.assert_array_equal(cupy.asnumpy(g2), a + a)
+
+
+@pytest.mark.parametrize("view", ["step", "offset", "transpose", "reverse", "column"])
+def test_views_zero_copy(gpu_backend, view):
+    _, cupy = gpu_backend
+    base = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    a = {"step": base[::2, ::3], "offset": base[5:, 7:], "transpose": base.T,
+         "reverse": base[::-1, ::-1], "column": base[:, 3]}[view]
+    g = cupy.asarray(a)
+    assert g.data.ptr == a.__array_interface__["data"][0]
+    assert g.strides == a.strides
+    np.testing.assert_array_equal(cupy.asnumpy(g * 1), a)
+    g *= 0
+    cupy.cuda.runtime.deviceSynchronize()
+    assert not a.any()
+
+
+def test_foreign_and_misaligned_inputs_are_copied(gpu_backend):
+    _, cupy = gpu_backend
+    ump.disable()
+    before = np.arange(100, dtype=np.float64)  # NumPy's own memory
+    ump.enable(gpu_backend[0], cap=4 << 30)
+    assert ump.kind_of(before) is None
+    g = cupy.asarray(before)
+    assert g.data.ptr != before.ctypes.data
+    np.testing.assert_array_equal(cupy.asnumpy(g), before)
+    raw = np.zeros(8 * 101, dtype=np.uint8)
+    mis = raw[1:1 + 8 * 100].view(np.float64)  # not 8-byte aligned
+    mis[:] = np.arange(100)
+    gm = cupy.asarray(mis)
+    assert gm.data.ptr != mis.__array_interface__["data"][0]
+    np.testing.assert_array_equal(cupy.asnumpy(gm), np.arange(100))
+    ro = np.arange(10.0)
+    ro.flags.writeable = False
+    assert cupy.asarray(ro).data.ptr != ro.ctypes.data  # never write a read-only array
+
+
+def test_host_read_after_kernel_on_other_stream(gpu_backend):
+    _, cupy = gpu_backend
+    a = np.ones(1 << 16, dtype=np.float64)
+    g = cupy.asarray(a)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        _launch_spin(cupy, g)
+    out = cupy.asnumpy(g)  # must wait for the kernel on `stream`
+    assert out.ctypes.data == a.ctypes.data
+    assert (out == 3.0).all()
+
+
+def test_numpy_block_not_reused_under_running_kernel(gpu_backend):
+    _, cupy = gpu_backend
+    n = 1 << 16
+    a = np.ones(n, dtype=np.float64)
+    ptr = a.ctypes.data
+    g = cupy.asarray(a)
+    _launch_spin(cupy, g)  # still running when the arrays go away
+    result = g  # keep a CuPy-side reference to read back later?
+    del a
+    del result, g
+    # The block must not be handed out again while the kernel runs.
+    others = [np.full(n, 5.0) for _ in range(8)]
+    assert all(o.ctypes.data != ptr for o in others)
+    ump.synchronize()
+    again = [np.empty(n) for _ in range(8)]
+    assert any(o.ctypes.data == ptr for o in again)
+
+
+def test_threads_allocate_at_once(gpu_backend):
+    name, cupy = gpu_backend
+    errors = []
+
+    def work(seed):
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(50):
+                a = rng.random(int(rng.integers(1, 300_000)))
+                assert ump.kind_of(a) == name
+                g = cupy.asarray(a)
+                assert g.data.ptr == a.ctypes.data
+                s = float((g * 2).sum())
+                assert abs(s - 2 * a.sum()) <= 1e-6 * abs(s) + 1e-9
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_cap_exhaustion_and_fallback(gpu_caps):
+    from ump import backends
+
+    name = next(n for n in ("managed", "pinned")
+                if backends.get(n).unavailable(gpu_caps, gpu_caps.devices[0]) is None)
+    ump.enable(name, cap=64 << 20)
+    import cupy
+
+    keep = [np.ones(16 << 20, dtype=np.uint8) for _ in range(3)]  # 48 MiB in the arena
+    assert all(ump.kind_of(k) == name for k in keep)
+    over = np.ones(64 << 20, dtype=np.uint8)  # cannot fit: plain memory
+    assert ump.kind_of(over) is None and over.sum() == 64 << 20
+    g = cupy.asarray(over)  # copied, not shared
+    assert g.data.ptr != over.ctypes.data and int(g.sum()) == 64 << 20
+    del g
+    with pytest.raises(ump.OutOfMemoryError) as info:
+        cupy.empty(128 << 20, dtype=np.uint8)
+    assert isinstance(info.value, MemoryError) and "cap" in str(info.value)
+    assert all(int(k.sum()) == 16 << 20 for k in keep)  # nothing lost
+
+
+def test_prefetch_and_advise_managed(gpu_caps):
+    from ump import backends
+
+    if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
+        pytest.skip("needs the managed backend")
+    foreign = np.zeros(3)  # NumPy's own memory, made before enable()
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    a = np.ones(8 << 20, dtype=np.float32)
+    ump.prefetch(a, to="gpu")
+    g = cupy.asarray(a)
+    g *= 3
+    ump.prefetch(g, to="host")
+    assert cupy.asnumpy(g)[123] == 3.0
+    ump.advise(a, "read_mostly")
+    ump.advise(a, "unset_read_mostly")
+    with pytest.raises(ValueError, match="unknown advice"):
+        ump.advise(a, "fast")
+    with pytest.raises(ump.UmpError, match="managed memory"):
+        ump.prefetch(foreign, to="gpu")
+
+
+def test_placement_auto_migrates_on_reuse(gpu_caps):
+    from ump import backends
+
+    if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
+        pytest.skip("needs the managed backend")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    hook = ump._enable.current().cupy
+    a = np.ones(4 << 20, dtype=np.float32)  # 16 MiB
+    g = cupy.asarray(a)
+    base = ump._core.lookup(a.ctypes.data)[1]
+    assert hook._placement[base][2] is False  # first hand-off: stays on the host
+    g *= 2
+    assert cupy.asnumpy(g)[0] == 2.0
+    g = cupy.asarray(a)
+    assert hook._placement[base][2] is True  # handed over again: migrated
+    g *= 2
+    b = cupy.asnumpy(g)
+    assert hook._placement[base][2] is False and b[-1] == 4.0
+
+
+def test_disable_restores_cupy(gpu_backend):
+    name, cupy = gpu_backend
+    a = np.arange(10.0)
+    g = cupy.asarray(a)
+    ump.disable()
+    assert cupy.asarray(a).data.ptr != a.ctypes.data  # stock copy again
+    assert float(g.sum()) == 45.0  # arrays from before keep working
+    with pytest.raises(TypeError):
+        np.asarray(cupy.arange(3))
+    ump.enable(name, cap=4 << 30)

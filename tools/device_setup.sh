@@ -1,0 +1,6 @@
+# Sourced at the start of each device call: install the carried wheels and
+# build the C extension in place. Usage: . tools/device_setup.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PWD
+export CUPY_ENABLE_UMP=1 PYTHONUNBUFFERED=1
+python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || python3 setup.py build_ext --inplace || return 1

@@ -1,0 +1,72 @@
+"""``python -m ump info``: what this machine offers and what enable() would pick."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import _probe, backends
+from ._errors import UmpError
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def info(out=sys.stdout) -> int:
+    caps = _probe.probe()
+    w = out.write
+    w(f"ump {__import__('ump').__version__}\n")
+    w(f"python {caps.python_version}, numpy {caps.numpy_version}, cupy {caps.cupy_version}, "
+      f"numpy_allocator {caps.numpy_allocator_version}, cuda-bindings {caps.cuda_bindings_version}\n")
+    if not caps.gpu:
+        w(f"GPU: none ({caps.reason})\n")
+    else:
+        w(f"CUDA driver {caps.driver_version}, runtime {caps.runtime_version}\n")
+        for d in caps.devices:
+            w(f"device {d.index}: {d.name}, compute capability {d.compute_capability[0]}."
+              f"{d.compute_capability[1]}, {_mib(d.total_memory)}\n")
+            w(f"  addressing mode: {d.addressing_mode or 'None'}\n")
+            w(f"  pageable memory access: {int(d.pageable_memory_access)} "
+              f"(uses host page tables: {int(d.uses_host_page_tables)})\n")
+            w(f"  concurrent managed access: {int(d.concurrent_managed_access)}\n")
+            w(f"  host pointer for registered memory: {int(d.host_pointer_for_registered_mem)}\n")
+            w(f"  VMM supported: {int(d.vmm_supported)}, granularity {_mib(d.vmm_granularity)} "
+              f"(recommended {_mib(d.vmm_recommended_granularity)})\n")
+    for name in backends.names():
+        device = caps.devices[0] if caps.gpu else None
+        why = backends.get(name).unavailable(caps, device)
+        w(f"backend {name}: {'available' if why is None else 'unavailable: ' + why}\n")
+    try:
+        chosen = backends.select("auto", caps).name
+    except UmpError as err:
+        chosen = f"none ({err})"
+    w(f"enable() would choose: {chosen}\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ump")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="report the probe and the backend enable() would pick")
+    bench = sub.add_parser("bench", help="run the perf suite: stock CuPy vs ump")
+    bench.add_argument("--smoke", action="store_true", help="tiny sizes, a few repeats (CI)")
+    bench.add_argument("--suites", help="comma-separated suites (default: all the machine runs)")
+    bench.add_argument("--configs", help="comma-separated configurations (default: all)")
+    bench.add_argument("--output", default="bench-results/bench.json", help="JSON file to write")
+    bench.add_argument("--plot", default="bench-results/interop.png", help="PNG plot to write")
+    bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
+    bench.add_argument("--input", metavar="NEW.json", help="with --compare: compare this file, run nothing")
+    bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    if args.command == "bench":
+        from . import bench as bench_mod
+
+        return bench_mod.main(args)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

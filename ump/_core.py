@@ -1,0 +1,205 @@
+"""ctypes binding to the C core (csrc/): hooks, arenas, registry, CUDA calls.
+
+ctypes releases the GIL around every call, which is what the C side expects:
+none of its functions touch Python objects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+from . import _ucore
+from ._errors import OutOfMemoryError, UmpError
+
+ABI_VERSION = 1
+if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
+    raise ImportError(
+        f"ump's C extension has ABI {_ucore.ABI_VERSION}, the Python layer expects "
+        f"{ABI_VERSION}: rebuild it (pip install -e . or setup.py build_ext --inplace)"
+    )
+
+# Kinds and providers, as in csrc/ump.h.
+KINDS = {1: "host", 2: "system", 3: "managed", 4: "pinned", 5: "device"}
+KIND_IDS = {name: kind for kind, name in KINDS.items()}
+PROVIDER_HOST, PROVIDER_MANAGED, PROVIDER_PINNED = 0, 1, 2
+ERR_CAP, ERR_INJECTED = -2, -6
+ALIGN = 512
+
+lib = ctypes.CDLL(_ucore.__file__)
+
+
+class _CStats(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "current_bytes", "peak_bytes", "total_bytes",
+            "current_count", "peak_count", "total_count",
+            "held_bytes", "cached_bytes", "cap_bytes",
+            "chunk_allocs", "chunk_frees", "failures",
+        )
+    ]
+
+
+def _sig(name, restype, *argtypes):
+    fn = getattr(lib, name)
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+    return fn
+
+
+_vp, _sz, _u64, _uptr, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int
+malloc = _sig("ump_malloc", _vp, _sz)
+calloc = _sig("ump_calloc", _vp, _sz, _sz)
+realloc = _sig("ump_realloc", _vp, _vp, _sz)
+free = _sig("ump_free", None, _vp, _sz)
+set_numpy_arena = _sig("ump_set_numpy_arena", _int, _int)
+get_numpy_arena = _sig("ump_get_numpy_arena", _int)
+_arena_create = _sig("ump_arena_create", _int, _int, _int, _u64, _int)
+_arena_set_cap = _sig("ump_arena_set_cap", _int, _int, _u64)
+_arena_alloc = _sig("ump_arena_alloc", _vp, _int, _sz)
+_arena_free = _sig("ump_arena_free", _int, _vp)
+_arena_trim = _sig("ump_arena_trim", _int, _int)
+_arena_stats = _sig("ump_arena_stats", _int, _int, ctypes.POINTER(_CStats))
+_fallback_stats = _sig("ump_fallback_stats", _int, ctypes.POINTER(_CStats))
+_lookup = _sig("ump_lookup", _int, _uptr, ctypes.POINTER(_uptr), ctypes.POINTER(_u64), ctypes.POINTER(_int))
+foreign_frees = _sig("ump_foreign_frees", _u64)
+_cuda_load = _sig("ump_cuda_load", _int, ctypes.c_char_p)
+_cuda_set_context = _sig("ump_cuda_set_context", _int, _uptr, _int)
+_prefetch = _sig("ump_prefetch", _int, _uptr, _u64, _int, _uptr)
+_advise = _sig("ump_advise", _int, _uptr, _u64, _int, _int)
+_error_name = _sig("ump_cuda_error_name", _int, _int, ctypes.c_char_p, _sz)
+last_status = _sig("ump_last_status", _int)
+fault_inject = _sig("ump_fault_inject", None, ctypes.c_int64, ctypes.c_int64)
+is_forked_child = _sig("ump_is_forked_child", _int)
+
+# numpy_allocator takes the address of a *function pointer* and calls through
+# it: ctypes.addressof of a foreign function is the address of the slot that
+# holds its entry point. The function objects live in this module, so the
+# slots stay valid for the life of the process.
+HOOK_ADDRESSES = {
+    name: ctypes.addressof(fn)
+    for name, fn in (("malloc", malloc), ("calloc", calloc), ("realloc", realloc), ("free", free))
+}
+
+
+def error_name(status: int) -> str:
+    buf = ctypes.create_string_buffer(64)
+    _error_name(status, buf, len(buf))
+    return buf.value.decode()
+
+
+def check(status: int, what: str) -> None:
+    """Raise the ump exception for a C status (0 is success)."""
+    if status == 0:
+        return
+    name = error_name(status)
+    if status in (ERR_CAP,) or name == "CUDA_ERROR_OUT_OF_MEMORY":
+        raise OutOfMemoryError(what, name)
+    raise UmpError(what, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Statistics:
+    """Allocation statistics of one arena (bytes are block capacities).
+
+    ``current``/``peak``/``total`` follow RMM's statistics adaptor; ``held``
+    is what the arena took from its provider, ``cached`` the part of it that
+    is wholly free, ``cap`` its limit.
+    """
+
+    current_bytes: int
+    peak_bytes: int
+    total_bytes: int
+    current_count: int
+    peak_count: int
+    total_count: int
+    held_bytes: int = 0
+    cached_bytes: int = 0
+    cap_bytes: int = 0
+    chunk_allocs: int = 0
+    chunk_frees: int = 0
+    failures: int = 0
+
+    @classmethod
+    def _from_c(cls, c: _CStats) -> "Statistics":
+        return cls(**{name: getattr(c, name) for name, _ in _CStats._fields_})
+
+
+def fallback_statistics() -> Statistics:
+    """Statistics of the plain aligned blocks served outside any arena."""
+    out = _CStats()
+    check(_fallback_stats(ctypes.byref(out)), "reading fallback statistics")
+    return Statistics._from_c(out)
+
+
+class Arena:
+    """A size-class arena of the C core over chunks from one provider.
+
+    Arenas live as long as the process (blocks may outlive ``disable()``);
+    creating one with the same kind, provider and advice returns the same
+    arena with the new cap.
+    """
+
+    def __init__(self, kind: str, provider: int, cap: int, advise_host: bool = False):
+        if cap < 0:
+            raise ValueError(f"arena cap must be >= 0 bytes, got {cap}")
+        self.kind = kind
+        arena_id = _arena_create(KIND_IDS[kind], provider, cap, int(advise_host))
+        if arena_id < 0:
+            check(last_status(), f"creating the {kind} arena")
+        self.id = arena_id
+
+    def allocate(self, size: int) -> int:
+        """Allocate ``size`` bytes; raise :class:`OutOfMemoryError` past the cap."""
+        if size < 0:
+            raise ValueError(f"allocation size must be >= 0, got {size}")
+        ptr = _arena_alloc(self.id, size)
+        if not ptr:
+            status = last_status()
+            if status == ERR_INJECTED:
+                raise OutOfMemoryError(f"{self.kind} arena: allocation of {size} bytes failed", error_name(status))
+            check(status or ERR_CAP, f"{self.kind} arena: cannot allocate {size} bytes")
+        return ptr
+
+    def deallocate(self, ptr: int) -> None:
+        check(_arena_free(ptr), f"{self.kind} arena: {ptr:#x} is not a live block")
+
+    def trim(self) -> None:
+        """Give every wholly free chunk back to the provider."""
+        check(_arena_trim(self.id), f"trimming the {self.kind} arena")
+
+    def set_cap(self, cap: int) -> None:
+        if cap < 0:
+            raise ValueError(f"arena cap must be >= 0 bytes, got {cap}")
+        check(_arena_set_cap(self.id, cap), "setting the arena cap")
+
+    def statistics(self) -> Statistics:
+        out = _CStats()
+        check(_arena_stats(self.id, ctypes.byref(out)), "reading arena statistics")
+        return Statistics._from_c(out)
+
+
+def lookup(ptr: int) -> tuple[str | None, int, int]:
+    """(kind, base, size) of the live ump block holding ``ptr``."""
+    if not 0 <= ptr < 1 << 64:
+        return None, 0, 0
+    base, size, arena = _uptr(), _u64(), _int()
+    kind = _lookup(ptr, ctypes.byref(base), ctypes.byref(size), ctypes.byref(arena))
+    return KINDS.get(kind), base.value, size.value
+
+
+def cuda_load() -> None:
+    check(_cuda_load(None), "loading libcuda.so.1")
+
+
+def cuda_set_context(ctx: int, device: int) -> None:
+    _cuda_set_context(ctx, device)
+
+
+def prefetch(ptr: int, size: int, device: int, stream: int) -> None:
+    check(_prefetch(ptr, size, device, stream), f"prefetching {size} bytes at {ptr:#x}")
+
+
+def advise(ptr: int, size: int, advice: int, device: int) -> None:
+    check(_advise(ptr, size, advice, device), f"advising {size} bytes at {ptr:#x}")

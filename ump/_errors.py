@@ -1,0 +1,34 @@
+"""ump's exception hierarchy."""
+
+from __future__ import annotations
+
+__all__ = ["UmpError", "OutOfMemoryError", "BackendUnavailableError", "UmpWarning"]
+
+
+class UmpError(RuntimeError):
+    """Base class of every error ump raises.
+
+    Attributes
+    ----------
+    cuda_error : str or None
+        The CUDA error name (``"CUDA_ERROR_OUT_OF_MEMORY"``, ...) or ump's own
+        status name (``"UMP_ERR_CAP"``) behind the error, where there is one.
+    """
+
+    def __init__(self, message: str, cuda_error: str | None = None):
+        if cuda_error:
+            message = f"{message} ({cuda_error})"
+        super().__init__(message)
+        self.cuda_error = cuda_error
+
+
+class OutOfMemoryError(UmpError, MemoryError):
+    """An arena's cap or the device ran out of memory."""
+
+
+class BackendUnavailableError(UmpError):
+    """The backend asked for cannot run on this machine."""
+
+
+class UmpWarning(UserWarning):
+    """Something works, but not the way the user probably wants."""

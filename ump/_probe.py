@@ -1,0 +1,204 @@
+"""What this machine can do: GPUs, their memory-model attributes, versions.
+
+The probe uses only driver calls that need no CUDA context (cuInit,
+cuDeviceGetAttribute, cuMemGetAllocationGranularity), so probing never
+creates one; importing ump does not even probe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import platform
+
+__all__ = ["Capabilities", "DeviceInfo", "probe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """Memory-model facts of one CUDA device.
+
+    Attributes
+    ----------
+    pageable_memory_access : bool
+        The GPU can access ``malloc``'d memory (SAM: HMM or ATS).
+    uses_host_page_tables : bool
+        SAM goes through the host's page tables (ATS, e.g. Grace Hopper);
+        false with SAM means HMM.
+    concurrent_managed_access : bool
+        CPU and GPU may touch managed memory at the same time.
+    host_pointer_for_registered_mem : bool
+        Registered host memory has the same address on the device.
+    vmm_supported : bool
+        cuMemCreate / cuMemMap are available.
+    vmm_granularity, vmm_recommended_granularity : int
+        Bytes; 0 without VMM.
+    """
+
+    index: int
+    name: str
+    compute_capability: tuple[int, int]
+    total_memory: int
+    managed_memory: bool
+    pageable_memory_access: bool
+    uses_host_page_tables: bool
+    concurrent_managed_access: bool
+    host_pointer_for_registered_mem: bool
+    vmm_supported: bool
+    vmm_granularity: int
+    vmm_recommended_granularity: int
+
+    @property
+    def addressing_mode(self) -> str | None:
+        """``"ATS"``, ``"HMM"`` or None (no system-allocated memory)."""
+        if not self.pageable_memory_access:
+            return None
+        return "ATS" if self.uses_host_page_tables else "HMM"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """The result of :func:`probe`. ``gpu`` is False with ``reason`` set when
+    no usable GPU was found; the version fields are None when not installed."""
+
+    gpu: bool
+    reason: str | None
+    devices: tuple[DeviceInfo, ...]
+    driver_version: int | None
+    runtime_version: int | None
+    python_version: str
+    numpy_version: str | None
+    cupy_version: str | None
+    numpy_allocator_version: str | None
+    cuda_bindings_version: str | None
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cupy_version() -> str | None:
+    # CuPy ships as cupy-cudaXXx wheels (or cupy from source): look the
+    # distribution up rather than import CuPy, which probing must not do.
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name == "cupy" or name.startswith("cupy-cuda") or name.startswith("cupy-rocm"):
+            return dist.version
+    return None
+
+
+class _DriverError(Exception):
+    pass
+
+
+def _call(fn, *args):
+    from cuda.bindings import driver
+
+    err, *values = fn(*args)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise _DriverError(f"{fn.__name__} failed: {name.decode() if name else err}")
+    return values[0] if len(values) == 1 else values
+
+
+def _probe_device(driver, index: int) -> DeviceInfo:
+    dev = _call(driver.cuDeviceGet, index)
+    A = driver.CUdevice_attribute
+
+    def attr(name: str) -> int:
+        return int(_call(driver.cuDeviceGetAttribute, getattr(A, name), dev))
+
+    vmm = bool(attr("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"))
+    gran = rec = 0
+    if vmm:
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = index
+        G = driver.CUmemAllocationGranularity_flags
+        gran = int(_call(driver.cuMemGetAllocationGranularity, prop,
+                         G.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+        rec = int(_call(driver.cuMemGetAllocationGranularity, prop,
+                        G.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+    name = _call(driver.cuDeviceGetName, 256, dev)
+    return DeviceInfo(
+        index=index,
+        name=name.split(b"\0", 1)[0].decode(),
+        compute_capability=(attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
+                            attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")),
+        total_memory=int(_call(driver.cuDeviceTotalMem, dev)),
+        managed_memory=bool(attr("CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY")),
+        pageable_memory_access=bool(attr("CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS")),
+        uses_host_page_tables=bool(
+            attr("CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES")),
+        concurrent_managed_access=bool(attr("CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS")),
+        host_pointer_for_registered_mem=bool(
+            attr("CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM")),
+        vmm_supported=vmm,
+        vmm_granularity=gran,
+        vmm_recommended_granularity=rec,
+    )
+
+
+def _runtime_version() -> int | None:
+    try:
+        from cuda.bindings import runtime
+
+        err, version = runtime.cudaRuntimeGetVersion()
+        return int(version) if err == runtime.cudaError_t.cudaSuccess else None
+    except Exception:  # no libcudart found: the runtime is optional to ump
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_gpu() -> tuple[bool, str | None, tuple[DeviceInfo, ...], int | None, int | None]:
+    try:
+        from cuda.bindings import driver
+    except ImportError as err:
+        return False, f"cuda-bindings is not importable: {err}", (), None, None
+    try:
+        _call(driver.cuInit, 0)
+    except _DriverError as err:
+        return False, f"the CUDA driver did not initialise: {err}", (), None, None
+    except Exception as err:  # the driver library itself is missing
+        return False, f"no CUDA driver: {err}", (), None, None
+    try:
+        version = int(_call(driver.cuDriverGetVersion))
+        count = int(_call(driver.cuDeviceGetCount))
+        devices = tuple(_probe_device(driver, i) for i in range(count))
+    except _DriverError as err:
+        return False, f"probing the GPU failed: {err}", (), None, None
+    if not devices:
+        return False, "the CUDA driver reports no device", (), version, None
+    return True, None, devices, version, _runtime_version()
+
+
+def probe() -> Capabilities:
+    """Probe the machine once (cached) and report what ump can use.
+
+    Never raises: without a GPU or driver, ``gpu`` is False and ``reason``
+    says why. Creates no CUDA context.
+
+    Returns
+    -------
+    Capabilities
+    """
+    gpu, reason, devices, driver_version, runtime_version = _probe_gpu()
+    return Capabilities(
+        gpu=gpu,
+        reason=reason,
+        devices=devices,
+        driver_version=driver_version,
+        runtime_version=runtime_version,
+        python_version=platform.python_version(),
+        numpy_version=_dist_version("numpy"),
+        cupy_version=_cupy_version(),
+        numpy_allocator_version=_dist_version("numpy_allocator", "numpy-allocator"),
+        cuda_bindings_version=_dist_version("cuda-bindings", "cuda_bindings"),
+    )

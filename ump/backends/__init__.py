@@ -1,0 +1,123 @@
+"""The backends ump can enable, and how ``backend="auto"`` picks one.
+
+Each backend is a small description: which kind of memory its arenas hold,
+where their chunks come from, and what the machine must offer. The arena,
+the registry and the framework hooks are the same for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .._errors import BackendUnavailableError
+from .._probe import Capabilities, DeviceInfo
+
+__all__ = ["Backend", "AUTO_ORDER", "get", "select", "names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One kind of unified memory.
+
+    Attributes
+    ----------
+    name : str
+        What users pass to ``ump.enable(backend=...)``; also the kind
+        ``ump.kind_of`` reports for its blocks.
+    provider : int
+        The C core's chunk provider (``ump._core.PROVIDER_*``).
+    uses_gpu : bool
+        Needs a CUDA device; enabling it registers CuPy hooks.
+    advise_host : bool
+        NumPy-side chunks are advised to stay in host memory, mapped by the
+        GPU (managed memory only).
+    """
+
+    name: str
+    provider: int
+    uses_gpu: bool
+    advise_host: bool = False
+
+    def unavailable(self, caps: Capabilities, device: DeviceInfo | None) -> str | None:
+        """Why this backend cannot run here, or None if it can."""
+        raise NotImplementedError
+
+    def default_cap(self, free_device_bytes: int | None) -> int:
+        """Bytes the backend may hold when the user sets no cap: half of the
+        device's free memory (over-subscribed managed or pinned memory can
+        hang a shared GPU), and never more than half of the host's."""
+        host = _host_available_bytes()
+        if free_device_bytes is None:
+            return host // 2
+        return min(free_device_bytes, host) // 2
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+from .host import HOST  # noqa: E402
+from .managed import MANAGED  # noqa: E402
+from .pinned import PINNED  # noqa: E402
+from .system import SYSTEM  # noqa: E402
+
+_ALL = {b.name: b for b in (SYSTEM, MANAGED, PINNED, HOST)}
+#: The order ``backend="auto"`` tries on a machine with a GPU.
+AUTO_ORDER = ("system", "managed", "pinned")
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_ALL)
+
+
+def get(name: str) -> Backend:
+    try:
+        return _ALL[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown backend {name!r}; choose one of 'auto', "
+            + ", ".join(repr(n) for n in _ALL)
+        ) from None
+
+
+def select(name: str, caps: Capabilities, device: int = 0) -> Backend:
+    """The backend to enable for ``name`` (``"auto"`` or a backend's name).
+
+    Raises
+    ------
+    ValueError
+        Unknown name or device index.
+    BackendUnavailableError
+        The machine cannot run the backend; the message says why.
+    """
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise ValueError(f"device must be a non-negative int, got {device!r}")
+    info = None
+    if caps.gpu:
+        if device >= len(caps.devices):
+            raise ValueError(f"device {device} does not exist: this machine has "
+                             f"{len(caps.devices)} CUDA device(s)")
+        info = caps.devices[device]
+    if name == "auto":
+        if not caps.gpu:
+            return HOST
+        reasons = []
+        for candidate in AUTO_ORDER:
+            why = _ALL[candidate].unavailable(caps, info)
+            if why is None:
+                return _ALL[candidate]
+            reasons.append(f"{candidate}: {why}")
+        raise BackendUnavailableError("no unified-memory backend can run here; " + "; ".join(reasons))
+    backend = get(name)
+    why = backend.unavailable(caps, info)
+    if why is not None:
+        raise BackendUnavailableError(f"backend {name!r} cannot run here: {why}")
+    return backend

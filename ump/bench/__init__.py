@@ -1,0 +1,174 @@
+"""The perf regression suite: stock CuPy vs ump, one process per configuration.
+
+``python -m ump bench`` runs every suite under every configuration the
+machine supports ("stock": CuPy without ump; "imported": ump imported, not
+enabled; then each backend, and the managed backend's placements), prints a
+table with ratios against stock, writes JSON (with the probe), a PNG plot of
+interop time against size, and with ``--compare OLD.json`` flags slow-downs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from .. import _probe, backends
+from .cases import CPU_SUITES, GPU_SUITES
+
+__all__ = ["configurations", "run", "compare", "table", "plot"]
+
+
+def configurations(caps, smoke: bool) -> list[str]:
+    if not caps.gpu or caps.cupy_version is None:
+        return ["stock", "imported", "host"]
+    usable = [n for n in backends.AUTO_ORDER
+              if backends.get(n).unavailable(caps, caps.devices[0]) is None]
+    configs = ["stock", "imported"] + usable
+    if "managed" in usable and not smoke:
+        configs += ["managed:host", "managed:migrate"]
+    return configs
+
+
+def _summary(times):
+    if not times:
+        return None
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"median": statistics.median(times), "q1": q[0], "q3": q[2],
+            "min": min(times), "max": max(times), "n": len(times)}
+
+
+def run(suites=None, smoke=False, configs=None, progress=sys.stderr) -> dict:
+    caps = _probe.probe()
+    gpu = caps.gpu and caps.cupy_version is not None
+    if suites is None:
+        suites = list(CPU_SUITES) + (list(GPU_SUITES) if gpu else [])
+    configs = configs or configurations(caps, smoke)
+    results = {}
+    t_start = time.perf_counter()
+    for i, config in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {config}: {', '.join(suites)} "
+              f"({time.perf_counter() - t_start:.0f} s so far)", file=progress, flush=True)
+        cmd = [sys.executable, "-m", "ump.bench.worker", config, ",".join(suites), "1" if smoke else "0"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        if proc.returncode != 0:
+            raise RuntimeError(f"benchmark configuration {config!r} failed:\n{proc.stderr[-4000:]}")
+        for case, timing in json.loads(proc.stdout).items():
+            results.setdefault(case, {"suite": timing["suite"]})[config] = {
+                "cpu": _summary(timing["cpu"]), "gpu": _summary(timing["gpu"]),
+                "cpu_times": timing["cpu"], "gpu_times": timing["gpu"]}
+    return {"probe": dataclasses.asdict(caps), "configs": configs, "smoke": smoke,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+
+
+def _time_of(entry):
+    """The figure a case is judged by: GPU time where the GPU did the work."""
+    gpu = entry.get("gpu")
+    return gpu if gpu and gpu["median"] > entry["cpu"]["median"] * 0.5 else entry["cpu"]
+
+
+def table(report) -> str:
+    configs = report["configs"]
+    head = "| case | " + " | ".join(configs) + " |"
+    lines = [head, "|" + "---|" * (len(configs) + 1)]
+    for case, per in report["results"].items():
+        base = per.get("stock")
+        cells = []
+        for config in configs:
+            entry = per.get(config)
+            if entry is None:
+                cells.append("")
+                continue
+            cpu = entry["cpu"]
+            gpu = entry["gpu"]
+            text = f"CPU {cpu['median']:.1f} µs"
+            if gpu:
+                text += f", GPU {gpu['median']:.1f} µs"
+            if base and config != "stock":
+                ratio = _time_of(entry)["median"] / _time_of(base)["median"]
+                text += f" (×{ratio:.3g})"
+            cells.append(text)
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compare(old, new, threshold=1.25, floor_us=1.0) -> list[str]:
+    """Slow-downs of ``new`` against ``old``: a median at least ``threshold``
+    times the old one whose interquartile range lies wholly above the old
+    one's (so noise alone does not flag), for cases over ``floor_us``."""
+    found = []
+    for case, per in new["results"].items():
+        for config, entry in per.items():
+            if config == "suite":
+                continue
+            before = old["results"].get(case, {}).get(config)
+            if not before:
+                continue
+            a, b = _time_of(before), _time_of(entry)
+            if a["median"] < floor_us:
+                continue
+            if b["median"] >= threshold * a["median"] and b["q1"] > a["q3"]:
+                found.append(f"{case} [{config}]: {a['median']:.1f} -> {b['median']:.1f} µs "
+                             f"(×{b['median'] / a['median']:.2f})")
+    return found
+
+
+def plot(report, path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op in ("asarray", "asnumpy", "roundtrip"):
+        for config in report["configs"]:
+            xs, ys = [], []
+            for case, per in report["results"].items():
+                if case.startswith(op + " ") and config in per:
+                    xs.append(int(case.split()[1].removesuffix("MiB")))
+                    ys.append(_time_of(per[config])["median"])
+            if xs:
+                ax.plot(xs, ys, marker="o", label=f"{op} [{config}]")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("array size (MiB)")
+    ax.set_ylabel("time (µs, median)")
+    ax.set_title("NumPy ↔ CuPy conversion time")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(args) -> int:
+    if args.compare and args.input:
+        with open(args.input) as f:
+            report = json.load(f)
+    else:
+        suites = args.suites.split(",") if args.suites else None
+        configs = args.configs.split(",") if args.configs else None
+        report = run(suites=suites, smoke=args.smoke, configs=configs)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=1)
+        print(table(report))
+        print(f"\nJSON: {args.output}")
+        if args.plot and plot(report, args.plot):
+            print(f"plot: {args.plot}")
+    if args.compare:
+        with open(args.compare) as f:
+            old = json.load(f)
+        slow = compare(old, report, threshold=args.threshold)
+        for line in slow:
+            print(f"SLOWER: {line}")
+        if slow:
+            return 1
+        print("no slow-down found")
+    return 0

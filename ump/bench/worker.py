@@ -1,0 +1,35 @@
+"""One configuration's process: set it up, run the suites, print JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv):
+    config, suites, smoke = argv[0], argv[1].split(","), argv[2] == "1"
+    backend, _, placement = config.partition(":")
+    if backend == "stock":
+        os.environ.pop("CUPY_ENABLE_UMP", None)
+    elif backend == "imported":
+        os.environ.pop("CUPY_ENABLE_UMP", None)
+        import ump  # noqa: F401  (imported, not enabled: the overhead check)
+    else:
+        import ump
+
+        os.environ["CUPY_ENABLE_UMP"] = "1"
+        options = {"placement": placement} if placement else {}
+        ump.enable(backend, **options)
+    from ump.bench import cases
+
+    results = {}
+    for suite in suites:
+        fn = {**cases.CPU_SUITES, **cases.GPU_SUITES}[suite]
+        for case, timing in fn(smoke).items():
+            results[case] = {"suite": suite, **timing}
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
