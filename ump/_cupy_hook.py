@@ -31,6 +31,10 @@ from ._errors import OutOfMemoryError, UmpError
 
 __all__ = ["import_cupy", "CupyHook", "wrap_host", "host_view", "GPU_KINDS"]
 
+# cudaErrorMemoryAllocation: the status CuPy's pool answers by freeing its
+# cached blocks and retrying (CuPy keeps its own constant at the C level).
+_CUDA_ERROR_MEMORY_ALLOCATION = 2
+
 #: Kinds whose blocks a kernel can use at their host address.
 GPU_KINDS = frozenset({"system", "managed", "pinned"})
 
@@ -183,7 +187,7 @@ class CupyHook:
         if not ptr:
             # CuPy's pool answers this by freeing its cached blocks and trying
             # again; malloc() turns its final error into ump's.
-            raise cupy.cuda.runtime.CUDARuntimeError(cupy.cuda.runtime.errorMemoryAllocation)
+            raise cupy.cuda.runtime.CUDARuntimeError(_CUDA_ERROR_MEMORY_ALLOCATION)
         mem = cupy.cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cupy.cuda.runtime), self.device)
         return cupy.cuda.memory.MemoryPointer(mem, 0)
 
