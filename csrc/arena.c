@@ -371,11 +371,19 @@ static int reserve(arena_t *a, size_t bytes)
             return UMP_OK;
         }
         if (attempt == 0) {
+            /* Give back wholly free chunks of this kind, if there are any:
+             * trimming for nothing would thrash the provider at the cap. */
+            int trimmed = 0;
             for (int i = 0; i < UMP_MAX_ARENAS; i++) {
                 arena_t *other = arena_get(i);
-                if (other && other->kind == a->kind)
+                if (other && other->kind == a->kind &&
+                    __atomic_load_n(&other->st.cached_bytes, __ATOMIC_RELAXED) >= bytes) {
                     ump_arena_trim(i);
+                    trimmed = 1;
+                }
             }
+            if (!trimmed)
+                break;
         }
     }
     return UMP_ERR_CAP;

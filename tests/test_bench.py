@@ -38,12 +38,36 @@ def test_smoke_run_and_compare_cli(tmp_path):
     same = subprocess.run([sys.executable, "-m", "ump", "bench", "--compare", str(out), "--input", str(out)],
                           capture_output=True, text=True)
     assert same.returncode == 0 and "no slow-down" in same.stdout
-    # ...and one made 3x slower on purpose fails
+    # ...and one made 10x slower on purpose fails
     slowed = copy.deepcopy(report)
     entry = slowed["results"]["alloc/free churn (256 arrays)"]["stock"]
-    entry["cpu"] = {k: (v * 3 if isinstance(v, float) else v) for k, v in entry["cpu"].items()}
+    entry["cpu"] = {k: (v * 10 if isinstance(v, float) else v) for k, v in entry["cpu"].items()}
     bad = tmp_path / "b.json"
     bad.write_text(json.dumps(slowed))
     flagged = subprocess.run([sys.executable, "-m", "ump", "bench", "--compare", str(out), "--input", str(bad)],
                              capture_output=True, text=True)
     assert flagged.returncode == 1 and "SLOWER: alloc/free churn" in flagged.stdout
+
+
+def test_overhead_reports_ratio_spread_and_difference():
+    report = _report(10.0, case="add 100x100")
+    report["configs"] = ["stock", "imported"]
+    per = report["results"]["add 100x100"]
+    per["stock"]["round_cpu"] = [10.0, 10.2]
+    per["imported"] = copy.deepcopy(per["stock"])
+    per["imported"]["cpu"] = bench._summary([10.1, 10.15, 10.2])
+    per["imported"]["round_cpu"] = [10.1, 10.2]
+    (line,) = bench.overhead(report)
+    assert "add 100x100 [imported]: CPU ×1.015" in line
+    assert "rounds 1.000-1.010" in line and "+0.15 µs" in line
+
+
+def test_rounds_interleave_configurations(tmp_path):
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "-m", "ump", "bench", "--smoke", "--suites", "alloc_numpy",
+                          "--rounds", "2", "--output", str(out), "--plot", ""],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "round 2/2" in run.stderr
+    entry = json.loads(out.read_text())["results"]["np.empty 64B"]["host"]
+    assert len(entry["round_cpu"]) == 2 and entry["cpu"]["n"] == len(entry["cpu_times"])

@@ -253,7 +253,7 @@ def test_prefetch_and_advise_managed(gpu_caps):
         ump.prefetch(foreign, to="gpu")
 
 
-def test_placement_auto_migrates_on_reuse(gpu_caps):
+def test_placement_auto_migrates_blocks_the_gpu_works_on(gpu_caps):
     from ump import backends
 
     if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
@@ -262,17 +262,29 @@ def test_placement_auto_migrates_on_reuse(gpu_caps):
     import cupy
 
     hook = ump._enable.current().cupy
-    a = np.ones(4 << 20, dtype=np.float32)  # 16 MiB
-    g = cupy.asarray(a)
-    base = ump._core.lookup(a.ctypes.data)[1]
-    assert hook._placement[base][2] is False  # first hand-off: stays on the host
+
+    def state(arr):
+        _, base, size = ump._core.lookup(arr.ctypes.data)
+        return hook._placement[(base, size)]
+
+    quick = np.ones(4 << 20, dtype=np.float32)  # 16 MiB, one cheap kernel
+    g = cupy.asarray(quick)
     g *= 2
     assert cupy.asnumpy(g)[0] == 2.0
-    g = cupy.asarray(a)
-    assert hook._placement[base][2] is True  # handed over again: migrated
+    assert state(quick)[:2] == [False, False]  # stays on the host
+    cupy.asarray(quick)
+    assert state(quick)[0] is False  # handed over again: still not migrated
+
+    busy = np.ones(1 << 19, dtype=np.float64)  # 4 MiB, ~0.1 s of GPU time
+    g = cupy.asarray(busy)
+    _launch_spin(cupy, g)
+    assert cupy.asnumpy(g)[0] == 3.0
+    assert state(busy)[1] is True  # the GPU time beat a migration: heavy
+    g = cupy.asarray(busy)
+    assert state(busy)[0] is True  # migrated at the next hand-off
     g *= 2
     b = cupy.asnumpy(g)
-    assert hook._placement[base][2] is False and b[-1] == 4.0
+    assert state(busy)[0] is False and b[-1] == 6.0  # and brought back
 
 
 def test_disable_restores_cupy(gpu_backend):

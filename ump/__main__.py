@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
     bench.add_argument("--input", metavar="NEW.json", help="with --compare: compare this file, run nothing")
     bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="run every configuration this many times, interleaved (spread across processes)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()

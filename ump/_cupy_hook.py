@@ -22,7 +22,6 @@ import collections
 import os
 import sys
 import threading
-import weakref
 
 import numpy
 
@@ -34,6 +33,10 @@ __all__ = ["import_cupy", "CupyHook", "wrap_host", "host_view", "GPU_KINDS"]
 # cudaErrorMemoryAllocation: the status CuPy's pool answers by freeing its
 # cached blocks and retrying (CuPy keeps its own constant at the C level).
 _CUDA_ERROR_MEMORY_ALLOCATION = 2
+
+#: What migrating managed memory to the GPU and back costs, per byte: 21 ms
+#: and 109 ms per GiB measured on an H200 over PCIe (docs/backends.md).
+MIGRATION_SECONDS_PER_BYTE = 0.130 / 2**30
 
 #: Kinds whose blocks a kernel can use at their host address.
 GPU_KINDS = frozenset({"system", "managed", "pinned"})
@@ -174,7 +177,7 @@ class CupyHook:
         self.pool = cupy.cuda.MemoryPool(self._upstream)
         self._pending = collections.deque()
         self._drain_lock = threading.Lock()
-        self._placement = {}  # block base -> [weakref to owner, hand-offs, on_gpu]
+        self._placement = {}  # (base, size) -> [on_gpu, heavy, start event]
         self._saved = None
 
     # --- allocator ----------------------------------------------------------
@@ -233,43 +236,54 @@ class CupyHook:
         self.drain()
 
     # --- placement (managed memory) ----------------------------------------
-    def _placement_state(self, base, owner):
-        state = self._placement.get(base)
-        if state is None or state[0]() is not owner:
-            try:
-                ref = weakref.ref(owner)
-            except TypeError:
-                return None
-            state = self._placement[base] = [ref, 0, False]
-            if len(self._placement) > 4096:
-                for key in [k for k, v in self._placement.items() if v[0]() is None]:
-                    del self._placement[key]
-        return state
-
-    def on_handoff(self, kind, base, size, owner):
+    # Per block (base, size) of the NumPy arena: [on_gpu, heavy, start event].
+    # A block starts host-resident: kernels reach it over the link, which is
+    # fastest for work that touches it once. The GPU time between a hand-off
+    # and the next host export is measured; once it exceeds what migrating the
+    # block there and back would have cost, the block is "heavy" and later
+    # hand-offs migrate it (a ski-rental rule). The state is per block, not
+    # per array, so a loop that reallocates the same array learns too.
+    def on_handoff(self, kind, base, size):
         """A NumPy array's block is handed to CuPy."""
         opts = self.options
         if kind != "managed" or size < opts.prefetch_min or opts.placement == "host":
             return
-        state = self._placement_state(base, owner)
+        state = self._placement.get((base, size))
         if state is None:
-            return
-        state[1] += 1
-        if not state[2] and (opts.placement == "migrate" or state[1] >= 2):
-            # Reused by the GPU: kernels on GPU-resident pages run at HBM
-            # speed instead of over the link (docs/backends.md).
-            stream = self.cupy.cuda.get_current_stream().ptr
-            _core.prefetch(base, size, self.device, stream)
-            state[2] = True
+            if len(self._placement) >= 4096:
+                self._placement.clear()
+            state = self._placement[(base, size)] = [False, False, None]
+        cupy = self.cupy
+        if opts.placement == "migrate" or state[1]:
+            if not state[0]:
+                _core.prefetch(base, size, self.device, cupy.cuda.get_current_stream().ptr)
+                state[0] = True
+        elif state[2] is None:
+            state[2] = cupy.cuda.Event()
+            state[2].record()
 
     def on_host_export(self, kind, base, size):
-        """A block goes back to the host: migrate it if ump moved it away."""
-        state = self._placement.get(base)
-        if kind == "managed" and state is not None and state[2]:
-            stream = self.cupy.cuda.get_current_stream()
+        """A block goes back to the host: learn from the GPU time it took, and
+        bring it back if ump migrated it."""
+        if kind != "managed":
+            return
+        state = self._placement.get((base, size))
+        if state is None:
+            return
+        cupy = self.cupy
+        stream = cupy.cuda.get_current_stream()
+        if state[2] is not None:
+            end = cupy.cuda.Event()
+            end.record(stream)
+            end.synchronize()
+            gpu_seconds = cupy.cuda.get_elapsed_time(state[2], end) / 1e3
+            state[2] = None
+            if gpu_seconds > size * MIGRATION_SECONDS_PER_BYTE:
+                state[1] = True
+        if state[0]:
             _core.prefetch(base, size, -1, stream.ptr)
             stream.synchronize()
-            state[2] = False
+            state[0] = False
 
     # --- NumPy -> CuPy ------------------------------------------------------
     def wrap_host(self, a):
@@ -287,10 +301,7 @@ class CupyHook:
             return None
         kind, base, size, lo, hi = found
         self.drain()
-        owner = a
-        while isinstance(owner, numpy.ndarray) and owner.base is not None:
-            owner = owner.base
-        self.on_handoff(kind, base, size, owner)
+        self.on_handoff(kind, base, size)
         cupy = self.cupy
         mem = cupy.cuda.memory.UnownedMemory(lo, hi - lo, _Lease(a, self), self.device)
         memptr = cupy.cuda.memory.MemoryPointer(mem, ptr - lo)

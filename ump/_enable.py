@@ -34,8 +34,9 @@ class Options:
     placement : {"auto", "host", "migrate"}
         Where managed NumPy arrays live when handed to CuPy: ``"host"`` keeps
         them in host memory, mapped by the GPU; ``"migrate"`` prefetches them
-        to the GPU at every hand-off; ``"auto"`` does the first and switches
-        to the second for an array handed to CuPy again.
+        to the GPU at every hand-off; ``"auto"`` starts like ``"host"`` and
+        migrates a block once the GPU time spent on it over the link exceeded
+        what migrating it would have cost (docs/backends.md).
     prefetch_min : int
         Blocks smaller than this (bytes, default 2 MiB) are never migrated.
     sync : {"device", "stream"}

@@ -20,7 +20,7 @@ import time
 from .. import _probe, backends
 from .cases import CPU_SUITES, GPU_SUITES
 
-__all__ = ["configurations", "run", "compare", "table", "plot"]
+__all__ = ["configurations", "run", "compare", "table", "plot", "overhead"]
 
 
 def configurations(caps, smoke: bool) -> list[str]:
@@ -42,27 +42,61 @@ def _summary(times):
             "min": min(times), "max": max(times), "n": len(times)}
 
 
-def run(suites=None, smoke=False, configs=None, progress=sys.stderr) -> dict:
+def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -> dict:
+    """Run ``suites`` under every configuration, ``rounds`` times interleaved
+    (stock, imported, backend, stock, ...), so that slow drift of the machine
+    spreads over all configurations; repeats of all rounds are pooled."""
     caps = _probe.probe()
     gpu = caps.gpu and caps.cupy_version is not None
     if suites is None:
         suites = list(CPU_SUITES) + (list(GPU_SUITES) if gpu else [])
     configs = configs or configurations(caps, smoke)
-    results = {}
+    raw = {}
     t_start = time.perf_counter()
-    for i, config in enumerate(configs, 1):
-        print(f"[{i}/{len(configs)}] {config}: {', '.join(suites)} "
+    steps = [(r, c) for r in range(rounds) for c in configs]
+    for i, (r, config) in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] round {r + 1}/{rounds} {config}: {', '.join(suites)} "
               f"({time.perf_counter() - t_start:.0f} s so far)", file=progress, flush=True)
         cmd = [sys.executable, "-m", "ump.bench.worker", config, ",".join(suites), "1" if smoke else "0"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark configuration {config!r} failed:\n{proc.stderr[-4000:]}")
         for case, timing in json.loads(proc.stdout).items():
-            results.setdefault(case, {"suite": timing["suite"]})[config] = {
-                "cpu": _summary(timing["cpu"]), "gpu": _summary(timing["gpu"]),
-                "cpu_times": timing["cpu"], "gpu_times": timing["gpu"]}
-    return {"probe": dataclasses.asdict(caps), "configs": configs, "smoke": smoke,
+            entry = raw.setdefault(case, {"suite": timing["suite"]}).setdefault(
+                config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": []})
+            entry["cpu_times"] += timing["cpu"]
+            entry["gpu_times"] += timing["gpu"]
+            entry["round_cpu"].append(statistics.median(timing["cpu"]))
+            if timing["gpu"]:
+                entry["round_gpu"].append(statistics.median(timing["gpu"]))
+    results = {}
+    for case, per in raw.items():
+        results[case] = {"suite": per.pop("suite")}
+        for config, e in per.items():
+            results[case][config] = {"cpu": _summary(e["cpu_times"]), "gpu": _summary(e["gpu_times"]), **e}
+    return {"probe": dataclasses.asdict(caps), "configs": configs, "smoke": smoke, "rounds": rounds,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+
+
+def overhead(report, cases=("add 100x100", "divide 100x100", "divmod 100x100")) -> list[str]:
+    """CPU-time overhead of ump on dispatch: the ratio of medians against
+    stock with its range over rounds, and the difference in microseconds."""
+    lines = []
+    for case in cases:
+        per = report["results"].get(case)
+        if not per or "stock" not in per:
+            continue
+        base = per["stock"]
+        for config in report["configs"]:
+            if config == "stock" or config not in per:
+                continue
+            e = per[config]
+            ratio = e["cpu"]["median"] / base["cpu"]["median"]
+            pairs = [a / b for a, b in zip(e["round_cpu"], base["round_cpu"])]
+            spread = f", rounds {min(pairs):.3f}-{max(pairs):.3f}" if len(pairs) > 1 else ""
+            delta = e["cpu"]["median"] - base["cpu"]["median"]
+            lines.append(f"{case} [{config}]: CPU ×{ratio:.3f}{spread}; {delta:+.2f} µs per call")
+    return lines
 
 
 def _time_of(entry):
@@ -154,11 +188,15 @@ def main(args) -> int:
     else:
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
-        report = run(suites=suites, smoke=args.smoke, configs=configs)
+        report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds)
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
         print(table(report))
+        lines = overhead(report)
+        if lines:
+            print("\nOverhead on dispatch (CPU time):")
+            print("\n".join(lines))
         print(f"\nJSON: {args.output}")
         if args.plot and plot(report, args.plot):
             print(f"plot: {args.plot}")

@@ -1,0 +1,49 @@
+"""The C core under AddressSanitizer + UndefinedBehaviorSanitizer and
+ThreadSanitizer: tests/c/stress.c, 8 threads, over a million operations."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCES = [ROOT / "csrc" / "arena.c", ROOT / "csrc" / "cuda.c", ROOT / "tests" / "c" / "stress.c"]
+CC = os.environ.get("CC", "cc")
+
+
+def _build(tmp_path, name, flags):
+    if shutil.which(CC) is None:
+        pytest.skip(f"no C compiler ({CC}) to build the sanitizer driver")
+    exe = tmp_path / name
+    cmd = [CC, "-std=gnu11", "-g", "-O1", "-fno-omit-frame-pointer", "-pthread", *flags,
+           *map(str, SOURCES), "-ldl", "-o", str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        if "sanitize" in proc.stderr or "cannot find" in proc.stderr:
+            pytest.skip(f"{CC} cannot build with {' '.join(flags)}: {proc.stderr.strip()[:200]}")
+        pytest.fail(proc.stderr)
+    return exe
+
+
+def _run(exe, ops, env):
+    proc = subprocess.run([str(exe), str(ops)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr[-4000:]
+    assert "ERROR" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_stress_under_asan_and_ubsan(tmp_path):
+    exe = _build(tmp_path, "stress_asan", ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])
+    out = _run(exe, 150_000, {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
+                              "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"})
+    assert "1200000 ops" in out
+
+
+def test_stress_under_tsan(tmp_path):
+    exe = _build(tmp_path, "stress_tsan", ["-fsanitize=thread"])
+    _run(exe, 20_000, {"TSAN_OPTIONS": "halt_on_error=1"})
