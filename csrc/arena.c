@@ -64,6 +64,7 @@ static pthread_mutex_t arenas_lock = PTHREAD_MUTEX_INITIALIZER;
 static int numpy_arena = -1;
 
 static pthread_rwlock_t reg_lock = PTHREAD_RWLOCK_INITIALIZER;
+static uint64_t reg_gen; /* bumped, under reg_lock, whenever a chunk leaves */
 static chunk_t **reg;
 static size_t reg_n, reg_cap;
 static uint64_t foreign_frees;
@@ -178,6 +179,7 @@ static int reg_insert(chunk_t *c)
 
 static void reg_remove(chunk_t *c)
 {
+    __atomic_fetch_add(&reg_gen, 1, __ATOMIC_RELEASE);
     long i = reg_floor(c->base);
     if (i >= 0 && reg[i] == c) {
         memmove(&reg[i], &reg[i + 1], (reg_n - (size_t)i - 1) * sizeof *reg);
@@ -225,6 +227,130 @@ static void st_free(ump_stats_t *st, size_t bytes)
 {
     st->current_bytes -= bytes;
     st->current_count--;
+}
+
+/* --- per-thread cache of small blocks ------------------------------------
+ * NumPy allocates and frees small arrays constantly; NumPy's own handler keeps
+ * a cache for them. Each thread keeps up to TC_DEPTH free blocks per class up
+ * to 4 KiB of the NumPy arena, so that malloc and free take no lock:
+ * - a cached block has its live bit cleared (lookups and double frees see it
+ *   as free) but is not on its slab's free stack, so the slab is not wholly
+ *   free and trim cannot take the chunk from under it;
+ * - free finds the block's chunk among the thread's hints (the slab each class
+ *   last took a block from); the hints are valid while no chunk has left the
+ *   registry since they were taken (reg_gen).
+ * Caches go back to their slabs at thread exit, when the NumPy arena changes,
+ * and before this thread reads statistics or trims. */
+
+#define TC_CLASSES 8
+#define TC_DEPTH 32
+
+typedef struct {
+    arena_t *arena;
+    uint64_t gen;
+    int registered;
+    chunk_t *hint[TC_CLASSES];
+    uint32_t n[TC_CLASSES];
+    struct { void *p; chunk_t *c; } slot[TC_CLASSES][TC_DEPTH];
+} tcache_t;
+
+static __thread tcache_t tc;
+static pthread_key_t tc_key;
+
+/* Return this thread's cached blocks to their slabs. */
+static void tc_flush(void)
+{
+    arena_t *a = tc.arena;
+    if (a) {
+        pthread_mutex_lock(&a->lock);
+        for (int cls = 0; cls < TC_CLASSES; cls++) {
+            for (uint32_t i = 0; i < tc.n[cls]; i++) {
+                chunk_t *c = tc.slot[cls][i].c;
+                uint32_t idx = (uint32_t)(((uintptr_t)tc.slot[cls][i].p - c->base) / c->block);
+                c->free_stack[c->nfree++] = idx;
+                if (c->nfree == 1)
+                    list_push(&a->partial[c->cls], c);
+                if (c->nfree == c->nslots)
+                    a->st.cached_bytes += c->size;
+                st_free(&a->st, c->block);
+            }
+            tc.n[cls] = 0;
+        }
+        pthread_mutex_unlock(&a->lock);
+    }
+    memset(tc.hint, 0, sizeof tc.hint);
+    tc.arena = NULL;
+}
+
+static void tc_thread_exit(void *unused)
+{
+    (void)unused;
+    tc_flush();
+}
+
+/* Bind this thread's cache to arena a (flushing another arena's blocks). */
+static void tc_bind(arena_t *a)
+{
+    if (tc.arena != a)
+        tc_flush();
+    tc.arena = a;
+    if (!tc.registered) {
+        tc.registered = 1;
+        pthread_setspecific(tc_key, &tc); /* so tc_thread_exit runs */
+    }
+}
+
+/* Remember that class cls of arena a served from slab s. Caller holds a's
+ * lock, so s cannot leave the registry before the generation is read. */
+static void tc_hint(arena_t *a, chunk_t *s)
+{
+    if (tc.arena != a || s->cls >= TC_CLASSES)
+        return;
+    uint64_t gen = __atomic_load_n(&reg_gen, __ATOMIC_ACQUIRE);
+    if (gen != tc.gen) {
+        memset(tc.hint, 0, sizeof tc.hint); /* older hints may be stale */
+        tc.gen = gen;
+    }
+    tc.hint[s->cls] = s;
+}
+
+static void *tc_take(arena_t *a, int cls)
+{
+    if (cls >= TC_CLASSES || tc.arena != a || tc.n[cls] == 0)
+        return NULL;
+    uint32_t i = --tc.n[cls];
+    chunk_t *c = tc.slot[cls][i].c;
+    void *p = tc.slot[cls][i].p;
+    uint32_t idx = (uint32_t)(((uintptr_t)p - c->base) / c->block);
+    __atomic_fetch_or(&c->live[idx / 64], (uint64_t)1 << (idx % 64), __ATOMIC_RELAXED);
+    return p;
+}
+
+/* Cache a freed block if it is in one of this thread's hinted slabs. Returns
+ * 1 if cached; 0 sends the free down the locked path (which also reports
+ * double and interior frees). */
+static int tc_put(void *ptr)
+{
+    if (!tc.arena || tc.gen != __atomic_load_n(&reg_gen, __ATOMIC_ACQUIRE))
+        return 0;
+    uintptr_t p = (uintptr_t)ptr;
+    for (int h = 0; h < TC_CLASSES; h++) {
+        chunk_t *c = tc.hint[h];
+        if (!c || p < c->base || p >= c->base + c->size)
+            continue;
+        uintptr_t off = p - c->base;
+        if (off % c->block || tc.n[c->cls] == TC_DEPTH)
+            return 0;
+        uint32_t idx = (uint32_t)(off / c->block);
+        uint64_t bit = (uint64_t)1 << (idx % 64);
+        if (!(__atomic_fetch_and(&c->live[idx / 64], ~bit, __ATOMIC_RELAXED) & bit))
+            return 0; /* was not live: a double free, reported by the slow path */
+        tc.slot[c->cls][tc.n[c->cls]].p = ptr;
+        tc.slot[c->cls][tc.n[c->cls]].c = c;
+        tc.n[c->cls]++;
+        return 1;
+    }
+    return 0;
 }
 
 /* --- arenas -------------------------------------------------------------- */
@@ -287,6 +413,8 @@ int ump_arena_stats(int id, ump_stats_t *out)
     arena_t *a = arena_get(id);
     if (!a || !out)
         return ump__set_status(UMP_ERR_ARG);
+    if (tc.arena == a)
+        tc_flush();
     pthread_mutex_lock(&a->lock);
     *out = a->st;
     pthread_mutex_unlock(&a->lock);
@@ -308,6 +436,8 @@ int ump_arena_trim(int id)
     if (!a)
         return ump__set_status(UMP_ERR_ARG);
     chunk_t *victims = NULL;
+    if (tc.arena == a)
+        tc_flush();
     pthread_rwlock_wrlock(&reg_lock);
     pthread_mutex_lock(&a->lock);
     for (int cls = 0; cls < N_CLASSES; cls++) {
@@ -483,6 +613,7 @@ static void *slab_alloc(arena_t *a, int cls)
         pthread_mutex_lock(&a->lock);
         chunk_t *s = a->partial[cls];
         if (s) {
+            tc_hint(a, s);
             void *p = slab_take(a, s);
             pthread_mutex_unlock(&a->lock);
             return p;
@@ -494,6 +625,7 @@ static void *slab_alloc(arena_t *a, int cls)
         pthread_mutex_lock(&a->lock);
         a->st.cached_bytes += c->size;
         list_push(&a->partial[cls], c);
+        tc_hint(a, c);
         void *p = slab_take(a, c);
         pthread_mutex_unlock(&a->lock);
         return p;
@@ -577,7 +709,8 @@ static int arena_free(void *ptr)
         uintptr_t off = p - c->base;
         uint32_t idx = (uint32_t)(off / c->block);
         uint64_t bit = (uint64_t)1 << (idx % 64);
-        if (off % c->block || !(c->live[idx / 64] & bit)) {
+        /* atomic: thread caches clear other bits of this word without the lock */
+        if (off % c->block || !(__atomic_load_n(&c->live[idx / 64], __ATOMIC_RELAXED) & bit)) {
             bad = 1;
         } else {
             __atomic_fetch_and(&c->live[idx / 64], ~bit, __ATOMIC_RELAXED);
@@ -796,6 +929,16 @@ static void *numpy_alloc(size_t size, size_t zero_bytes)
 {
     arena_t *a = arena_get(ump_get_numpy_arena());
     if (a && !ump__forked) {
+        if (tc.arena != a)
+            tc_bind(a);
+        if (size <= 4096) {
+            void *p = tc_take(a, class_of(size ? (size + UMP_ALIGN - 1) / UMP_ALIGN * UMP_ALIGN : UMP_ALIGN));
+            if (p) {
+                if (zero_bytes)
+                    memset(p, 0, zero_bytes);
+                return p;
+            }
+        }
         void *p = arena_alloc(a, size, zero_bytes);
         if (p)
             return p;
@@ -820,6 +963,8 @@ void ump_free(void *ptr, size_t size)
 {
     (void)size; /* NumPy's idea of the size; the registry knows the block's */
     if (!ptr)
+        return;
+    if (tc_put(ptr))
         return;
     if (arena_free(ptr))
         return;
@@ -849,7 +994,8 @@ void *ump_realloc(void *ptr, size_t size)
         if (c->cls >= 0) {
             uintptr_t off = (uintptr_t)ptr - c->base;
             uint32_t idx = (uint32_t)(off / c->block);
-            if (off % c->block == 0 && (c->live[idx / 64] >> (idx % 64)) & 1) {
+            if (off % c->block == 0 &&
+                (__atomic_load_n(&c->live[idx / 64], __ATOMIC_RELAXED) >> (idx % 64)) & 1) {
                 old = c->block;
                 in_place = rsize <= c->block && class_of(rsize) == c->cls;
             }
@@ -918,5 +1064,6 @@ static void atfork_child(void)
 
 __attribute__((constructor)) static void ump_init(void)
 {
+    pthread_key_create(&tc_key, tc_thread_exit);
     pthread_atfork(atfork_prepare, atfork_release, atfork_child);
 }

@@ -1,6 +1,8 @@
 """Run CuPy's own tests (a checkout of its tests/ folder) with and without ump.
 
     python tools/cupy_suite.py TESTS_DIR OUT_DIR [pytest args...]
+    UMP_SUITE_RUNS=stock python tools/cupy_suite.py ...   # one side only
+    python tools/cupy_suite.py --compare STOCK.xml UMP.xml
 
 The "stock" run is CuPy as shipped (CUPY_ENABLE_UMP unset: its own UMP path
 fails on GPUs without HMM/ATS). The "ump" run replaces the UMP recipe in
@@ -47,11 +49,27 @@ def outcomes(xml_path: pathlib.Path) -> dict[str, str]:
     return result
 
 
+def report(stock: dict, ump: dict) -> None:
+    for label, run in (("stock", stock), ("ump", ump)):
+        counts = {k: sum(1 for v in run.values() if v == k) for k in ("passed", "failed", "skipped")}
+        print(f"{label}: {counts}")
+    diffs = sorted(n for n in stock.keys() | ump.keys() if stock.get(n) != ump.get(n))
+    print(f"{len(diffs)} tests differ:")
+    for name in diffs:
+        print(f"  {stock.get(name, 'absent')} -> {ump.get(name, 'absent')}: {name}")
+
+
 def main(argv):
+    if argv[0] == "--compare":
+        report(outcomes(pathlib.Path(argv[1])), outcomes(pathlib.Path(argv[2])))
+        return
     tests, out, args = pathlib.Path(argv[0]), pathlib.Path(argv[1]), argv[2:]
     patch_conftest(tests)
+    wanted = os.environ.get("UMP_SUITE_RUNS", "stock,ump").split(",")
     runs = {}
     for label, extra_env in (("stock", {}), ("ump", {"UMP_CUPY_SUITE": "1", "CUPY_ENABLE_UMP": "1"})):
+        if label not in wanted:
+            continue
         env = {k: v for k, v in os.environ.items() if k not in ("CUPY_ENABLE_UMP", "UMP_CUPY_SUITE")}
         env.update(extra_env)
         xml = out / f"cupy-suite-{label}.xml"
@@ -61,11 +79,8 @@ def main(argv):
         runs[label] = outcomes(xml)
         counts = {k: sum(1 for v in runs[label].values() if v == k) for k in ("passed", "failed", "skipped")}
         print(f"{label}: {counts}", flush=True)
-    stock, ump = runs["stock"], runs["ump"]
-    diffs = sorted(n for n in stock.keys() | ump.keys() if stock.get(n) != ump.get(n))
-    print(f"{len(diffs)} tests differ:")
-    for name in diffs:
-        print(f"  {stock.get(name, 'absent')} -> {ump.get(name, 'absent')}: {name}")
+    if len(runs) == 2:
+        report(runs["stock"], runs["ump"])
 
 
 if __name__ == "__main__":

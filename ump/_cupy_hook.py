@@ -30,10 +30,6 @@ from ._errors import OutOfMemoryError, UmpError
 
 __all__ = ["import_cupy", "CupyHook", "wrap_host", "host_view", "GPU_KINDS"]
 
-# cudaErrorMemoryAllocation: the status CuPy's pool answers by freeing its
-# cached blocks and retrying (CuPy keeps its own constant at the C level).
-_CUDA_ERROR_MEMORY_ALLOCATION = 2
-
 #: What migrating managed memory to the GPU and back costs, per byte: 21 ms
 #: and 109 ms per GiB measured on an H200 over PCIe (docs/backends.md).
 MIGRATION_SECONDS_PER_BYTE = 0.130 / 2**30
@@ -181,29 +177,29 @@ class CupyHook:
         self._saved = None
 
     # --- allocator ----------------------------------------------------------
+    # CuPy calls pool.malloc directly (set_allocator), so a CuPy allocation
+    # costs what it costs with CuPy's default pool; only a pool miss reaches
+    # the arena here.
     def _upstream(self, size):
         cupy = self.cupy
         ptr = _core._arena_alloc(self.arena.id, size)
         if not ptr:
+            # What CuPy's pool does on an allocation error, done here so the
+            # final error is ump's: release NumPy arrays whose kernels are
+            # done and the blocks the pool caches (this runs outside the
+            # pool's lock, as CuPy's own retry does), then try once more.
             self.drain(block=True)
+            self.pool.free_all_blocks()
             ptr = _core._arena_alloc(self.arena.id, size)
         if not ptr:
-            # CuPy's pool answers this by freeing its cached blocks and trying
-            # again; malloc() turns its final error into ump's.
-            raise cupy.cuda.runtime.CUDARuntimeError(_CUDA_ERROR_MEMORY_ALLOCATION)
-        mem = cupy.cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cupy.cuda.runtime), self.device)
-        return cupy.cuda.memory.MemoryPointer(mem, 0)
-
-    def malloc(self, size):
-        try:
-            return self.pool.malloc(size)
-        except self.cupy.cuda.memory.OutOfMemoryError as err:
             cap = self.arena.statistics().cap_bytes
             raise OutOfMemoryError(
                 f"CuPy asked for {size} bytes and the {self.backend.name} backend's cap of "
                 f"{cap} bytes is reached (set it with ump.enable(cap=...))",
-                "UMP_ERR_CAP",
-            ) from err
+                _core.error_name(_core.last_status() or _core.ERR_CAP),
+            )
+        mem = cupy.cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cupy.cuda.runtime), self.device)
+        return cupy.cuda.memory.MemoryPointer(mem, 0)
 
     # --- deferred release ---------------------------------------------------
     def defer(self, array):
@@ -390,7 +386,7 @@ class CupyHook:
             return iface
 
         self._saved = saved
-        cupy.cuda.set_allocator(self.malloc)
+        cupy.cuda.set_allocator(self.pool.malloc)
         cupy._core.array = self.array
         cupy.ndarray.get = get
         cupy.ndarray.__array_interface__ = property(array_interface)
