@@ -297,3 +297,90 @@ def test_disable_restores_cupy(gpu_backend):
     with pytest.raises(TypeError):
         np.asarray(cupy.arange(3))
     ump.enable(name, cap=4 << 30)
+
+
+def test_asarray_options_applied_on_the_gpu(gpu_backend):
+    _, cupy = gpu_backend
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    assert cupy.asarray(a, order="C").data.ptr == a.ctypes.data  # nothing to do: shared
+    f = cupy.asarray(a, order="F")  # layout change: a GPU copy
+    assert f.flags.f_contiguous and f.data.ptr != a.ctypes.data
+    assert cupy.asarray(a, dtype=np.float64).dtype == np.float64
+    assert cupy.array(a, copy=None, ndmin=4).shape == (1, 1, 4, 6)
+    np.testing.assert_array_equal(cupy.asnumpy(f), a)
+
+
+def test_provider_failures_with_cupy(gpu_backend):
+    name, cupy = gpu_backend
+    keep = np.arange(1 << 16, dtype=np.float64)
+    g_keep = cupy.asarray(keep) * 1  # a CuPy-owned array made before the faults
+    ump.trim()
+    ump._core.fault_inject(0, -1)  # every CUDA chunk allocation fails from now on
+    try:
+        with pytest.raises(ump.OutOfMemoryError, match="UMP_ERR_INJECTED"):
+            cupy.empty(256 << 20, dtype=np.uint8)
+        host = np.ones(64 << 20, dtype=np.uint8)  # NumPy falls back to plain memory
+        assert ump.kind_of(host) is None and int(host[::4096].sum()) == (64 << 20) // 4096
+        g = cupy.asarray(host[: 1 << 20])  # a copy into cached pool memory, or a clean error
+        assert int(g.sum()) == 1 << 20
+    except ump.OutOfMemoryError:
+        pass
+    finally:
+        ump._core.fault_inject(0, 0)
+    np.testing.assert_array_equal(cupy.asnumpy(g_keep), keep)  # nothing lost
+    assert cupy.zeros(1 << 20).sum() == 0  # and the process keeps working
+
+
+def test_fork_after_gpu_enable(gpu_backend, record_property):
+    name, cupy = gpu_backend
+    a = np.arange(1 << 16, dtype=np.int64)
+    assert ump.kind_of(a) == name
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child must not call CUDA
+        child = np.ones(1 << 20)  # new arrays: plain memory
+        ok = ump.kind_of(child) is None and child.sum() == 1 << 20
+        del a  # freeing an inherited block only updates metadata
+        os.write(w, b"A" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert got == b"A"
+    assert int(cupy.asarray(a).sum()) == (1 << 16) * ((1 << 16) - 1) // 2
+
+
+def test_fork_child_reading_inherited_unified_memory(gpu_backend, record_property):
+    """Whether the driver maps inherited unified memory in a child: reported,
+    since it is the driver's choice; the parent is unaffected either way."""
+    name, cupy = gpu_backend
+    a = np.arange(1 << 16, dtype=np.int64)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if int(a.sum()) == (1 << 16) * ((1 << 16) - 1) // 2 else 1)
+    _, status = os.waitpid(pid, 0)
+    readable = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    record_property("child_reads_inherited", readable)
+    print(f"\n{name}: a forked child {'can' if readable else 'cannot'} read inherited unified memory")
+    assert int(a.sum()) == (1 << 16) * ((1 << 16) - 1) // 2
+
+
+def test_backends_in_turn_and_enable_after_cupy_allocated(gpu_caps):
+    from ump import backends
+
+    names = [n for n in ("managed", "pinned")
+             if backends.get(n).unavailable(gpu_caps, gpu_caps.devices[0]) is None]
+    import cupy
+
+    before = cupy.arange(1000)  # CuPy's own pool, before any enable()
+    arrays = []
+    for name in names * 2:
+        ump.enable(name, cap=1 << 30)
+        a = np.full(1 << 16, len(arrays), dtype=np.int32)
+        g = cupy.asarray(a)
+        assert ump.kind_of(a) == name and g.data.ptr == a.ctypes.data
+        arrays.append((a, g))
+        ump.disable()
+    for i, (a, g) in enumerate(arrays):  # every array survives the switches
+        assert int(g.sum()) == i * (1 << 16) and int(a[0]) == i
+    assert int(before.sum()) == 999 * 1000 // 2

@@ -111,6 +111,15 @@ def _block_of(ptr: int, shape, strides, itemsize: int, kinds=GPU_KINDS):
     return kind, base, size, lo, hi
 
 
+def _layout_ok(a, order) -> bool:
+    """Whether ``a`` already has the memory order ``order`` asks for."""
+    if order is None or order in ("K", "k"):
+        return True
+    flags = a.flags
+    return {"C": flags.c_contiguous, "F": flags.f_contiguous,
+            "A": flags.c_contiguous or flags.f_contiguous}.get(str(order).upper(), False)
+
+
 class _Lease:
     """Owner of a CuPy view of NumPy memory. When CuPy drops it, a kernel
     that uses the memory may still be queued; the NumPy array is kept until
@@ -306,9 +315,13 @@ class CupyHook:
     def array(self, obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
         """Stands in for ``cupy._core.array``."""
         original = self._saved["array"]
-        if type(obj) is numpy.ndarray or isinstance(obj, numpy.ndarray):
+        if isinstance(obj, numpy.ndarray):
             shared = self.wrap_host(obj)
             if shared is not None:
+                if (copy is not True and ndmin <= shared.ndim
+                        and (dtype is None or numpy.dtype(dtype) == shared.dtype)
+                        and _layout_ok(shared, order)):
+                    return shared  # the common case: nothing for CuPy to apply
                 # dtype, order, ndmin and copy=True are CuPy's to apply to a
                 # CuPy array: a view where it can, else a copy on the GPU.
                 return original(shared, dtype, copy, order, subok, ndmin, blocking)
@@ -346,12 +359,7 @@ class CupyHook:
     def get(self, g, stream=None, order="C", out=None, blocking=True):
         """Stands in for ``cupy.ndarray.get``."""
         if out is None:
-            flags = g.flags
-            layout_ok = {
-                "C": flags.c_contiguous, "F": flags.f_contiguous,
-                "A": flags.c_contiguous or flags.f_contiguous,
-            }.get(str(order).upper(), False)
-            if layout_ok:
+            if _layout_ok(g, order):
                 view = self.host_view(g, sync=blocking, stream=stream)
                 if view is not None:
                     return view
