@@ -229,6 +229,18 @@ static void st_free(ump_stats_t *st, size_t bytes)
     st->current_count--;
 }
 
+/* Give slot idx back to slab c. Caller holds the arena lock and has cleared
+ * the slot's live bit (or it was cleared when a thread cache took it). */
+static void slab_put(arena_t *a, chunk_t *c, uint32_t idx)
+{
+    c->free_stack[c->nfree++] = idx;
+    if (c->nfree == 1)
+        list_push(&a->partial[c->cls], c);
+    if (c->nfree == c->nslots)
+        a->st.cached_bytes += c->size; /* wholly free: trim may take it */
+    st_free(&a->st, c->block);
+}
+
 /* --- per-thread cache of small blocks ------------------------------------
  * NumPy allocates and frees small arrays constantly; NumPy's own handler keeps
  * a cache for them. Each thread keeps up to TC_DEPTH free blocks per class up
@@ -245,10 +257,14 @@ static void st_free(ump_stats_t *st, size_t bytes)
 #define TC_CLASSES 8
 #define TC_DEPTH 32
 
-typedef struct {
+typedef struct tcache {
     arena_t *arena;
     uint64_t gen;
     int registered;
+    /* Bytes and blocks cached: written by the owner thread only (relaxed
+     * stores, no read-modify-write), read by statistics in other threads. */
+    uint64_t bytes, count;
+    struct tcache *next, *prev; /* all registered caches, under tc_list_lock */
     chunk_t *hint[TC_CLASSES];
     uint32_t n[TC_CLASSES];
     struct { void *p; chunk_t *c; } slot[TC_CLASSES][TC_DEPTH];
@@ -256,36 +272,64 @@ typedef struct {
 
 static __thread tcache_t tc;
 static pthread_key_t tc_key;
+static pthread_mutex_t tc_list_lock = PTHREAD_MUTEX_INITIALIZER;
+static tcache_t *tc_list;
+
+/* Adjust this thread's cached totals (reset them if `reset`). */
+static void tc_count_add(int64_t bytes, int64_t count, int reset)
+{
+    __atomic_store_n(&tc.bytes, reset ? 0 : tc.bytes + (uint64_t)bytes, __ATOMIC_RELAXED);
+    __atomic_store_n(&tc.count, reset ? 0 : tc.count + (uint64_t)count, __ATOMIC_RELAXED);
+}
+
+/* Bytes and blocks of arena a sitting in any thread's cache. */
+static void tc_totals(arena_t *a, uint64_t *bytes, uint64_t *count)
+{
+    *bytes = *count = 0;
+    pthread_mutex_lock(&tc_list_lock);
+    for (tcache_t *t = tc_list; t; t = t->next) {
+        if (__atomic_load_n(&t->arena, __ATOMIC_RELAXED) != a)
+            continue;
+        *bytes += __atomic_load_n(&t->bytes, __ATOMIC_RELAXED);
+        *count += __atomic_load_n(&t->count, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&tc_list_lock);
+}
 
 /* Return this thread's cached blocks to their slabs. */
 static void tc_flush(void)
 {
     arena_t *a = tc.arena;
+    /* Counters first: a statistics reader may then count a block as both
+     * allocated and cached for a moment, never as neither. */
+    tc_count_add(0, 0, 1);
     if (a) {
         pthread_mutex_lock(&a->lock);
         for (int cls = 0; cls < TC_CLASSES; cls++) {
             for (uint32_t i = 0; i < tc.n[cls]; i++) {
                 chunk_t *c = tc.slot[cls][i].c;
-                uint32_t idx = (uint32_t)(((uintptr_t)tc.slot[cls][i].p - c->base) / c->block);
-                c->free_stack[c->nfree++] = idx;
-                if (c->nfree == 1)
-                    list_push(&a->partial[c->cls], c);
-                if (c->nfree == c->nslots)
-                    a->st.cached_bytes += c->size;
-                st_free(&a->st, c->block);
+                slab_put(a, c, (uint32_t)(((uintptr_t)tc.slot[cls][i].p - c->base) / c->block));
             }
             tc.n[cls] = 0;
         }
         pthread_mutex_unlock(&a->lock);
     }
     memset(tc.hint, 0, sizeof tc.hint);
-    tc.arena = NULL;
+    __atomic_store_n(&tc.arena, NULL, __ATOMIC_RELAXED);
 }
 
 static void tc_thread_exit(void *unused)
 {
     (void)unused;
     tc_flush();
+    pthread_mutex_lock(&tc_list_lock);
+    if (tc.prev)
+        tc.prev->next = tc.next;
+    else
+        tc_list = tc.next;
+    if (tc.next)
+        tc.next->prev = tc.prev;
+    pthread_mutex_unlock(&tc_list_lock);
 }
 
 /* Bind this thread's cache to arena a (flushing another arena's blocks). */
@@ -293,9 +337,16 @@ static void tc_bind(arena_t *a)
 {
     if (tc.arena != a)
         tc_flush();
-    tc.arena = a;
+    __atomic_store_n(&tc.arena, a, __ATOMIC_RELAXED);
     if (!tc.registered) {
         tc.registered = 1;
+        pthread_mutex_lock(&tc_list_lock);
+        tc.prev = NULL;
+        tc.next = tc_list;
+        if (tc_list)
+            tc_list->prev = &tc;
+        tc_list = &tc;
+        pthread_mutex_unlock(&tc_list_lock);
         pthread_setspecific(tc_key, &tc); /* so tc_thread_exit runs */
     }
 }
@@ -323,6 +374,7 @@ static void *tc_take(arena_t *a, int cls)
     void *p = tc.slot[cls][i].p;
     uint32_t idx = (uint32_t)(((uintptr_t)p - c->base) / c->block);
     __atomic_fetch_or(&c->live[idx / 64], (uint64_t)1 << (idx % 64), __ATOMIC_RELAXED);
+    tc_count_add(-(int64_t)c->block, -1, 0);
     return p;
 }
 
@@ -348,6 +400,7 @@ static int tc_put(void *ptr)
         tc.slot[c->cls][tc.n[c->cls]].p = ptr;
         tc.slot[c->cls][tc.n[c->cls]].c = c;
         tc.n[c->cls]++;
+        tc_count_add((int64_t)c->block, 1, 0);
         return 1;
     }
     return 0;
@@ -418,6 +471,13 @@ int ump_arena_stats(int id, ump_stats_t *out)
     pthread_mutex_lock(&a->lock);
     *out = a->st;
     pthread_mutex_unlock(&a->lock);
+    /* Blocks in thread caches count as allocated in st but are free for
+     * users. The totals are read after the snapshot and without its lock,
+     * so saturate rather than wrap. */
+    uint64_t cached_bytes, cached_count;
+    tc_totals(a, &cached_bytes, &cached_count);
+    out->current_bytes = out->current_bytes > cached_bytes ? out->current_bytes - cached_bytes : 0;
+    out->current_count = out->current_count > cached_count ? out->current_count - cached_count : 0;
     out->cap_bytes = __atomic_load_n(&budgets[a->kind].cap, __ATOMIC_RELAXED);
     return UMP_OK;
 }
@@ -714,12 +774,7 @@ static int arena_free(void *ptr)
             bad = 1;
         } else {
             __atomic_fetch_and(&c->live[idx / 64], ~bit, __ATOMIC_RELAXED);
-            c->free_stack[c->nfree++] = idx;
-            if (c->nfree == 1)
-                list_push(&a->partial[c->cls], c);
-            if (c->nfree == c->nslots)
-                a->st.cached_bytes += c->size;
-            st_free(&a->st, c->block);
+            slab_put(a, c, idx);
         }
     } else if (p != c->base || !c->in_use) {
         bad = 1;
@@ -1033,6 +1088,7 @@ void *ump_realloc(void *ptr, size_t size)
 
 static void atfork_prepare(void)
 {
+    pthread_mutex_lock(&tc_list_lock);
     pthread_mutex_lock(&arenas_lock);
     pthread_rwlock_wrlock(&reg_lock);
     for (int i = 0; i < n_arenas; i++)
@@ -1047,6 +1103,7 @@ static void atfork_release(void)
         pthread_mutex_unlock(&arenas[i]->lock);
     pthread_rwlock_unlock(&reg_lock);
     pthread_mutex_unlock(&arenas_lock);
+    pthread_mutex_unlock(&tc_list_lock);
 }
 
 static void atfork_child(void)
@@ -1055,6 +1112,12 @@ static void atfork_child(void)
      * child: unlocking would corrupt it. The child has one thread and no
      * other holder, so fresh locks are exact. */
     ump__forked = 1;
+    pthread_mutex_init(&tc_list_lock, NULL);
+    tc_list = NULL;
+    if (tc.registered) {
+        tc.prev = tc.next = NULL;
+        tc_list = &tc;
+    }
     pthread_mutex_init(&fb_lock, NULL);
     for (int i = 0; i < n_arenas; i++)
         pthread_mutex_init(&arenas[i]->lock, NULL);

@@ -6,10 +6,10 @@ import ctypes
 import os
 import random
 import sys
-import threading
 
 import pytest
 
+from _threads import run_threads
 from ump import _core
 
 MiB = 1 << 20
@@ -187,42 +187,29 @@ def test_fault_injection(arena):
 
 
 def test_registry_lookups_from_many_threads(arena):
-    errors = []
-    live = {}
-    lock = threading.Lock()
-
     def worker(seed):
         rng = random.Random(seed)
         mine = []
-        try:
-            for _ in range(3000):
-                if mine and rng.random() < 0.45:
-                    p, n = mine.pop(rng.randrange(len(mine)))
-                    kind, base, block = _core.lookup(p + n - 1)
-                    assert kind == "host" and base == p and block >= n
-                    assert ctypes.string_at(p, 8) == (p & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
-                    _core.free(p, n)
-                else:
-                    n = rng.choice([8, 600, 5000, 70_000, 300_000, 2 * MiB + 3])
-                    p = _core.malloc(n)
-                    ctypes.memmove(p, (p & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"), 8)
-                    mine.append((p, n))
-            for p, n in mine:
+        for _ in range(3000):
+            if mine and rng.random() < 0.45:
+                p, n = mine.pop(rng.randrange(len(mine)))
+                kind, base, block = _core.lookup(p + n - 1)
+                assert kind == "host" and base == p and block >= n
+                assert ctypes.string_at(p, 8) == (p & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
                 _core.free(p, n)
-        except Exception as err:
-            with lock:
-                errors.append(err)
+            else:
+                n = rng.choice([8, 600, 5000, 70_000, 300_000, 2 * MiB + 3])
+                p = _core.malloc(n)
+                ctypes.memmove(p, (p & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"), 8)
+                mine.append((p, n))
+        for p, n in mine:
+            _core.free(p, n)
 
     before = arena.statistics()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(worker)
     assert not errors, errors[:3]
     after = arena.statistics()
     assert after.current_count == before.current_count and after.current_bytes == before.current_bytes
-    assert not live
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")

@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 import ump
+from _threads import run_threads
 
 pytestmark = pytest.mark.gpu
 
@@ -185,26 +185,18 @@ def test_numpy_block_not_reused_under_running_kernel(gpu_backend):
 
 def test_threads_allocate_at_once(gpu_backend):
     name, cupy = gpu_backend
-    errors = []
 
     def work(seed):
-        try:
-            rng = np.random.default_rng(seed)
-            for _ in range(50):
-                a = rng.random(int(rng.integers(1, 300_000)))
-                assert ump.kind_of(a) == name
-                g = cupy.asarray(a)
-                assert g.data.ptr == a.ctypes.data
-                s = float((g * 2).sum())
-                assert abs(s - 2 * a.sum()) <= 1e-6 * abs(s) + 1e-9
-        except Exception as err:  # pragma: no cover - reported below
-            errors.append(err)
+        rng = np.random.default_rng(seed)
+        for _ in range(50):
+            a = rng.random(int(rng.integers(1, 300_000)))
+            assert ump.kind_of(a) == name
+            g = cupy.asarray(a)
+            assert g.data.ptr == a.ctypes.data
+            s = float((g * 2).sum())
+            assert abs(s - 2 * a.sum()) <= 1e-6 * abs(s) + 1e-9
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work)
     assert not errors, errors
 
 

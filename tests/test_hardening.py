@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import ump
+from _threads import run_threads
 from ump import _core
 
 
@@ -35,40 +36,32 @@ def _warm_numpy_random():
 def test_threads_churn_numpy_arrays_and_lose_nothing(host):
     _warm_numpy_random()
     before = ump.statistics()["numpy"]
-    errors = []
 
     def work(seed):
         rng = np.random.default_rng(seed)
         live = []
-        try:
-            for i in range(6000):
-                r = rng.random()
-                if live and r < 0.4:
-                    arr, value = live.pop(int(rng.integers(len(live))))
-                    assert arr[0] == value and arr[-1] == value
-                elif live and r < 0.55:
-                    k = int(rng.integers(len(live)))
-                    arr, value = live[k]
-                    n = int(rng.integers(1, 200_000))
-                    arr.resize(n, refcheck=False)  # NumPy reallocs through the hook
-                    arr[:] = value
-                    live[k] = (arr, value)
-                else:
-                    n = int(rng.choice([1, 7, 64, 700, 5_000, 70_000, 300_000]))
-                    value = (seed * 10_000 + i) % 250 + 1
-                    arr = np.full(n, value, dtype=np.uint8) if r < 0.8 else np.zeros(n, np.uint8) + value
-                    assert ump.kind_of(arr) == "host"
-                    live.append((arr, value))
-            for arr, value in live:
-                assert (arr == value).all()
-        except Exception as err:
-            errors.append(err)
+        for i in range(6000):
+            r = rng.random()
+            if live and r < 0.4:
+                arr, value = live.pop(int(rng.integers(len(live))))
+                assert arr[0] == value and arr[-1] == value
+            elif live and r < 0.55:
+                k = int(rng.integers(len(live)))
+                arr, value = live[k]
+                n = int(rng.integers(1, 200_000))
+                arr.resize(n, refcheck=False)  # NumPy reallocs through the hook
+                arr[:] = value
+                live[k] = (arr, value)
+            else:
+                n = int(rng.choice([1, 7, 64, 700, 5_000, 70_000, 300_000]))
+                value = (seed * 10_000 + i) % 250 + 1
+                arr = np.full(n, value, dtype=np.uint8) if r < 0.8 else np.zeros(n, np.uint8) + value
+                assert ump.kind_of(arr) == "host"
+                live.append((arr, value))
+        for arr, value in live:
+            assert (arr == value).all()
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work)
     assert not errors, errors[:3]
     after = ump.statistics()["numpy"]
     assert (after.current_bytes, after.current_count) == (before.current_bytes, before.current_count)
