@@ -24,3 +24,11 @@ def run_threads(fn, n: int = 8) -> list[BaseException]:
     for t in threads:
         t.join()
     return errors
+
+
+def warm_numpy_random() -> None:
+    """numpy.random keeps a small array alive after its first use in a
+    thread; make that happen before a test takes its baseline."""
+    import numpy as np
+
+    run_threads(lambda i: np.random.default_rng(i).random(), n=1)

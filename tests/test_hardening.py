@@ -7,13 +7,12 @@ the C core's sanitizer runs in test_sanitizers.py.
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
 
 import ump
-from _threads import run_threads
+from _threads import run_threads, warm_numpy_random
 from ump import _core
 
 
@@ -26,15 +25,8 @@ def host(caps):
     ump.disable()
 
 
-def _warm_numpy_random():
-    # numpy.random keeps a small array alive after its first use in a thread
-    t = threading.Thread(target=lambda: np.random.default_rng(0).random())
-    t.start()
-    t.join()
-
-
 def test_threads_churn_numpy_arrays_and_lose_nothing(host):
-    _warm_numpy_random()
+    warm_numpy_random()
     before = ump.statistics()["numpy"]
 
     def work(seed):
