@@ -28,7 +28,7 @@ import numpy
 from . import _core
 from ._errors import OutOfMemoryError, UmpError
 
-__all__ = ["import_cupy", "CupyHook", "wrap_host", "host_view", "GPU_KINDS"]
+__all__ = ["import_cupy", "CupyHook", "GPU_KINDS", "advice_code"]
 
 #: What migrating managed memory to the GPU and back costs, per byte: 21 ms
 #: and 109 ms per GiB measured on an H200 over PCIe (docs/backends.md).
@@ -346,7 +346,10 @@ class CupyHook:
             "strides": g.strides,
         }
 
-    def host_view(self, g, sync=True, stream=None):
+    def export(self, g, sync=True, stream=None):
+        """The array interface of ``g`` for the host, once the GPU is done
+        with it (and ump brought it back if ump had migrated it); None if
+        ``g`` is not in host-visible ump memory."""
         got = self.interface(g)
         if got is None:
             return None
@@ -354,7 +357,11 @@ class CupyHook:
         if sync:
             self.synchronize(stream)
         self.on_host_export(kind, base, size)
-        return numpy.asarray(_Export(iface, g))
+        return iface
+
+    def host_view(self, g, sync=True, stream=None):
+        iface = self.export(g, sync, stream)
+        return None if iface is None else numpy.asarray(_Export(iface, g))
 
     def get(self, g, stream=None, order="C", out=None, blocking=True):
         """Stands in for ``cupy.ndarray.get``."""
@@ -384,13 +391,10 @@ class CupyHook:
         get.__doc__ = saved["get"].__doc__
 
         def array_interface(self):
-            got = hook.interface(self)
-            if got is None:
+            iface = hook.export(self)
+            if iface is None:
                 raise AttributeError(
                     "__array_interface__: this CuPy array is not in host-visible ump memory")
-            hook.synchronize()
-            (kind, base, size, _, _), iface = got
-            hook.on_host_export(kind, base, size)
             return iface
 
         self._saved = saved

@@ -2,8 +2,8 @@
 
 NumPy-side chunks are advised to live in host memory and be mapped by the
 GPU, so a kernel that touches an array once reads it over the link instead
-of faulting it across; ump migrates an array when it is handed to CuPy again
-(docs/backends.md).
+of faulting it across; ump migrates a block once the GPU time spent on it
+over the link exceeded what migrating it would cost (docs/backends.md).
 """
 
 from .. import _core
