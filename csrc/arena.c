@@ -119,7 +119,7 @@ void ump_fault_inject(int64_t after, int64_t count)
     __atomic_store_n(&inject_count, count, __ATOMIC_SEQ_CST);
 }
 
-static int injected_failure(void)
+int ump__injected_failure(void)
 {
     if (__atomic_load_n(&inject_count, __ATOMIC_SEQ_CST) == 0)
         return 0;
@@ -615,7 +615,7 @@ static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
     }
     void *mem = NULL;
     int zero = 0;
-    status = injected_failure() ? UMP_ERR_INJECTED
+    status = ump__injected_failure() ? UMP_ERR_INJECTED
                                 : ump__provider_alloc(a->provider, bytes, &mem, &zero);
     if (status != UMP_OK) {
         chunk_destroy(c);
@@ -831,6 +831,12 @@ int ump_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
         }
     }
     pthread_rwlock_unlock(&reg_lock);
+    if (kind == UMP_KIND_NONE) {
+        /* Pool ids follow arena ids, so one number names either. */
+        kind = ump__vmm_lookup(p, &b, &s, &id);
+        if (kind != UMP_KIND_NONE)
+            id += UMP_MAX_ARENAS;
+    }
     if (base)
         *base = b;
     if (size)

@@ -147,6 +147,23 @@ static int cuda_ready(void)
     return cu.lib ? UMP_OK : UMP_ERR_NOCUDA;
 }
 
+void *ump__cuda_sym(const char *name)
+{
+    return cu.lib ? dlsym(cu.lib, name) : NULL;
+}
+
+int ump__cuda_ready(void) { return cuda_ready(); }
+
+int ump__ctx_push(void *ctx)
+{
+    CUcontext cur = NULL;
+    if (!ctx || (cu.ctxGetCurrent(&cur) == 0 && cur == ctx))
+        return 0;
+    return cu.ctxPushCurrent(ctx) == 0;
+}
+
+void ump__ctx_pop(int pushed) { ctx_leave(pushed); }
+
 static void *map_host(size_t size)
 {
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -20,4 +20,17 @@ UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
 
 UMP_HIDDEN extern volatile int ump__forked;
 
+/* Fault injection (ump_fault_inject): whether this provider call must fail. */
+UMP_HIDDEN int ump__injected_failure(void);
+
+/* CUDA for vmm.c: a driver symbol, whether CUDA may be called (loaded, not
+ * a forked child), and making a context current for a few calls. */
+UMP_HIDDEN void *ump__cuda_sym(const char *name);
+UMP_HIDDEN int ump__cuda_ready(void);
+UMP_HIDDEN int ump__ctx_push(void *ctx);
+UMP_HIDDEN void ump__ctx_pop(int pushed);
+
+/* Pool blocks and buffers for ump_lookup(). */
+UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool);
+
 #endif

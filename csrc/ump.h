@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define UMP_ABI_VERSION 1
+#define UMP_ABI_VERSION 2
 
 /* CuPy's kernels and memory pool work in 512-byte units, so every block is
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
@@ -37,7 +37,8 @@ enum ump_kind {
 enum ump_provider {
     UMP_PROVIDER_HOST = 0,     /* anonymous mmap */
     UMP_PROVIDER_MANAGED = 1,  /* cuMemAllocManaged(..., CU_MEM_ATTACH_GLOBAL) */
-    UMP_PROVIDER_PINNED = 2    /* anonymous mmap + cuMemHostRegister(DEVICEMAP) */
+    UMP_PROVIDER_PINNED = 2,   /* anonymous mmap + cuMemHostRegister(DEVICEMAP) */
+    UMP_PROVIDER_DEVICE = 3    /* VMM pools: cuMemCreate + cuMemMap */
 };
 
 /* Status codes beyond CUDA's own CUresult values (which are >= 0). */
@@ -50,6 +51,7 @@ enum ump_provider {
 #define UMP_ERR_INJECTED (-6)   /* failure injected by ump_fault_inject() */
 
 #define UMP_MAX_ARENAS 8
+#define UMP_MAX_POOLS 16
 
 typedef struct {
     uint64_t current_bytes, peak_bytes, total_bytes;
@@ -80,6 +82,42 @@ int ump_arena_free(void *ptr);
 int ump_arena_trim(int arena);
 int ump_arena_stats(int arena, ump_stats_t *out);
 int ump_fallback_stats(ump_stats_t *out);
+
+/* --- VMM device pools (vmm.c) ------------------------------------------- */
+typedef struct {
+    uint64_t used_bytes, peak_used_bytes, total_bytes;  /* blocks handed out */
+    uint64_t current_count, peak_count, total_count;
+    uint64_t buffer_bytes;          /* growable buffers, in use */
+    uint64_t reserved_bytes;        /* address space reserved */
+    uint64_t mapped_bytes, peak_mapped_bytes;
+    uint64_t physical_bytes, peak_physical_bytes; /* handles held: mapped + cached */
+    uint64_t cached_bytes;          /* handles held but not mapped */
+    uint64_t idle_bytes;            /* mapped, touched by no live block */
+    uint64_t limit_bytes, granularity;
+    uint64_t handles, handles_created, handles_released, maps, unmaps;
+    uint64_t rollbacks, migrations, failures, bad_frees;
+} ump_vmm_stats_t;
+
+/* provider: UMP_PROVIDER_DEVICE, or UMP_PROVIDER_HOST for the same pool on an
+ * emulated physical layer (memfd) that runs without a GPU. ctx: the device's
+ * primary context. limit 0: none. Returns a pool id or -1. */
+int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit);
+int ump_vmm_destroy(int pool);
+uintptr_t ump_vmm_alloc(int pool, uint64_t size, uintptr_t stream);
+int ump_vmm_free(int pool, uintptr_t ptr);
+int ump_vmm_trim(int pool, int keep_handles);
+int ump_vmm_set_limit(int pool, uint64_t limit);
+int ump_vmm_stats(int pool, ump_vmm_stats_t *out);
+int ump_vmm_grant(int pool, int device);
+int ump_vmm_devices(int pool, int *out, int max);
+int ump_vmm_migrate(int pool, uintptr_t ptr, uint64_t bytes, int device);
+int ump_vmm_device_of(int pool, uintptr_t ptr, uint64_t bytes);
+int ump_vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool);
+int ump_vmm_buffer_create(int pool, uint64_t max_bytes);
+int ump_vmm_buffer_destroy(int pool, int buf);
+int ump_vmm_buffer_resize(int pool, int buf, uint64_t bytes);
+uintptr_t ump_vmm_buffer_ptr(int pool, int buf);
+uint64_t ump_vmm_buffer_size(int pool, int buf);
 
 /* --- registry ------------------------------------------------------------ */
 /* Kind of the live block holding ptr (UMP_KIND_NONE if none); base/size/arena

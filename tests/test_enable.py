@@ -180,10 +180,10 @@ def test_info_command():
 
 def test_public_api_is_pinned():
     assert sorted(ump.__all__) == sorted([
-        "__version__", "BackendUnavailableError", "Capabilities", "DeviceInfo", "Options",
-        "OutOfMemoryError", "Statistics", "UmpError", "UmpWarning", "advise", "asarray",
-        "asnumpy", "backend", "disable", "enable", "enabled", "is_enabled", "kind_of",
-        "prefetch", "probe", "statistics", "synchronize", "trim"])
+        "__version__", "BackendUnavailableError", "Capabilities", "DeviceInfo", "GrowableBuffer",
+        "Options", "OutOfMemoryError", "Statistics", "UmpError", "UmpWarning", "VMMPool",
+        "VMMStatistics", "advise", "asarray", "asnumpy", "backend", "disable", "enable", "enabled",
+        "is_enabled", "kind_of", "migrate", "prefetch", "probe", "statistics", "synchronize", "trim"])
     assert issubclass(ump.OutOfMemoryError, MemoryError) and issubclass(ump.OutOfMemoryError, ump.UmpError)
 
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "csrc" / "arena.c", ROOT / "csrc" / "cuda.c", ROOT / "tests" / "c" / "stress.c"]
+SOURCES = [ROOT / "csrc" / name for name in ("arena.c", "cuda.c", "vmm.c")] + [ROOT / "tests" / "c" / "stress.c"]
 CC = os.environ.get("CC", "cc")
 
 
@@ -41,7 +41,7 @@ def test_stress_under_asan_and_ubsan(tmp_path):
     exe = _build(tmp_path, "stress_asan", ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])
     out = _run(exe, 150_000, {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
                               "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"})
-    assert "1200000 ops" in out
+    assert "1200000 ops" in out and "pool: " in out
 
 
 def test_stress_under_tsan(tmp_path):

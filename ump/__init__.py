@@ -12,7 +12,8 @@ from ._core import Statistics
 from ._errors import BackendUnavailableError, OutOfMemoryError, UmpError, UmpWarning
 from ._probe import Capabilities, DeviceInfo, probe
 from ._enable import Options, disable, enable, enabled, is_enabled
-from ._api import advise, asarray, asnumpy, kind_of, prefetch, statistics, synchronize, trim
+from ._api import advise, asarray, asnumpy, kind_of, migrate, prefetch, statistics, synchronize, trim
+from ._vmm import GrowableBuffer, VMMPool, VMMStatistics
 
 
 def backend():
@@ -28,11 +29,14 @@ __all__ = [
     "BackendUnavailableError",
     "Capabilities",
     "DeviceInfo",
+    "GrowableBuffer",
     "Options",
     "OutOfMemoryError",
     "Statistics",
     "UmpError",
     "UmpWarning",
+    "VMMPool",
+    "VMMStatistics",
     "advise",
     "asarray",
     "asnumpy",
@@ -42,6 +46,7 @@ __all__ = [
     "enabled",
     "is_enabled",
     "kind_of",
+    "migrate",
     "prefetch",
     "probe",
     "statistics",

@@ -8,7 +8,8 @@ from . import _core, _enable
 from ._cupy_hook import GPU_KINDS, _block_of, advice_code
 from ._errors import UmpError
 
-__all__ = ["kind_of", "statistics", "trim", "asarray", "asnumpy", "prefetch", "advise", "synchronize"]
+__all__ = ["kind_of", "statistics", "trim", "asarray", "asnumpy", "prefetch", "advise", "synchronize",
+           "migrate"]
 
 
 def _is_cupy_array(obj) -> bool:
@@ -55,15 +56,19 @@ def kind_of(obj) -> str | None:
     return _core.lookup(_address(obj))[0]
 
 
-def statistics() -> dict[str, _core.Statistics]:
-    """Statistics of the enabled backend's arenas (``"numpy"``, ``"cupy"``)
-    and of the plain fallback memory (``"fallback"``)."""
+def statistics() -> dict:
+    """Statistics of the enabled backend's arenas (``"numpy"``, ``"cupy"``),
+    of its VMM pool (``"pool"``, backend ``"device"``: a
+    :class:`ump.VMMStatistics`) and of the plain fallback memory
+    (``"fallback"``)."""
     state = _enable.current()
     out = {"fallback": _core.fallback_statistics()}
     if state is not None:
         out["numpy"] = state.numpy_arena.statistics()
         if state.cupy_arena is not None:
             out["cupy"] = state.cupy_arena.statistics()
+        if state.cupy is not None and state.cupy.copies:
+            out["pool"] = state.cupy.pool.statistics()
     return out
 
 
@@ -189,3 +194,58 @@ def synchronize() -> None:
     state = _require()
     if state.cupy is not None:
         state.cupy.synchronize()
+
+
+def migrate(array, device: int):
+    """Move the device memory under a VMM-pool array to another GPU, keeping
+    its address.
+
+    The physical chunks under the array are copied to ``device``, mapped at
+    the same virtual addresses, and every device of the pool (the new one
+    included) is granted access, after all of them finished their work.
+
+    Parameters
+    ----------
+    array : cupy.ndarray or int
+        An array in a :class:`ump.VMMPool` (``backend="device"``), or an
+        address in one.
+    device : int
+        The GPU to move to; it must be able to reach the pool's device and
+        the other way round (cuDeviceCanAccessPeer).
+
+    Returns
+    -------
+    The array, for a CuPy array one whose memory reports ``device``: it is
+    the same memory at the same address.
+
+    Raises
+    ------
+    TypeError
+        ``array`` is not an array or an address.
+    ValueError
+        ``device`` is not a device of this machine.
+    UmpError
+        The memory is not in a VMM pool, or the devices cannot reach each
+        other.
+    """
+    from . import _vmm
+
+    ptr = _address(array)
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise ValueError(f"device must be a non-negative int, got {device!r}")
+    kind, base, size, _ = _core.lookup_owner(ptr)
+    pool = _vmm.pool_of(ptr)
+    if pool is None:
+        raise UmpError("ump.migrate() moves memory of a VMM pool (backend='device' or ump.VMMPool); "
+                       f"this memory is {kind or 'not ump'}'s")
+    if not pool.emulated:
+        count = _vmm._device_count()
+        if device >= count:
+            raise ValueError(f"device {device} does not exist: this machine has {count} CUDA device(s)")
+    pool.migrate(base, size, device)
+    if _is_cupy_array(array) and array.data.device_id != device:
+        import cupy
+
+        mem = cupy.cuda.memory.UnownedMemory(array.data.ptr, array.nbytes, array, device)
+        return cupy.ndarray(array.shape, array.dtype, cupy.cuda.MemoryPointer(mem, 0), array.strides)
+    return array

@@ -12,7 +12,7 @@ import dataclasses
 from . import _ucore
 from ._errors import OutOfMemoryError, UmpError
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
     raise ImportError(
         f"ump's C extension has ABI {_ucore.ABI_VERSION}, the Python layer expects "
@@ -22,7 +22,8 @@ if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
 # Kinds and providers, as in csrc/ump.h.
 KINDS = {1: "host", 2: "system", 3: "managed", 4: "pinned", 5: "device"}
 KIND_IDS = {name: kind for kind, name in KINDS.items()}
-PROVIDER_HOST, PROVIDER_MANAGED, PROVIDER_PINNED = 0, 1, 2
+PROVIDER_HOST, PROVIDER_MANAGED, PROVIDER_PINNED, PROVIDER_DEVICE = 0, 1, 2, 3
+MAX_ARENAS = 8
 ERR_CAP, ERR_INJECTED = -2, -6
 ALIGN = 512
 
@@ -72,6 +73,39 @@ _error_name = _sig("ump_cuda_error_name", _int, _int, ctypes.c_char_p, _sz)
 last_status = _sig("ump_last_status", _int)
 fault_inject = _sig("ump_fault_inject", None, ctypes.c_int64, ctypes.c_int64)
 is_forked_child = _sig("ump_is_forked_child", _int)
+
+
+class _CVmmStats(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "used_bytes", "peak_used_bytes", "total_bytes",
+            "current_count", "peak_count", "total_count",
+            "buffer_bytes", "reserved_bytes", "mapped_bytes", "peak_mapped_bytes",
+            "physical_bytes", "peak_physical_bytes", "cached_bytes", "idle_bytes",
+            "limit_bytes", "granularity",
+            "handles", "handles_created", "handles_released", "maps", "unmaps",
+            "rollbacks", "migrations", "failures", "bad_frees",
+        )
+    ]
+
+
+vmm_create = _sig("ump_vmm_create", _int, _int, _int, _uptr, _u64, _u64)
+vmm_destroy = _sig("ump_vmm_destroy", _int, _int)
+vmm_alloc = _sig("ump_vmm_alloc", _uptr, _int, _u64, _uptr)
+vmm_free = _sig("ump_vmm_free", _int, _int, _uptr)
+vmm_trim = _sig("ump_vmm_trim", _int, _int, _int)
+vmm_set_limit = _sig("ump_vmm_set_limit", _int, _int, _u64)
+vmm_stats = _sig("ump_vmm_stats", _int, _int, ctypes.POINTER(_CVmmStats))
+vmm_grant = _sig("ump_vmm_grant", _int, _int, _int)
+vmm_devices = _sig("ump_vmm_devices", _int, _int, ctypes.POINTER(_int), _int)
+vmm_migrate = _sig("ump_vmm_migrate", _int, _int, _uptr, _u64, _int)
+vmm_device_of = _sig("ump_vmm_device_of", _int, _int, _uptr, _u64)
+vmm_buffer_create = _sig("ump_vmm_buffer_create", _int, _int, _u64)
+vmm_buffer_destroy = _sig("ump_vmm_buffer_destroy", _int, _int, _int)
+vmm_buffer_resize = _sig("ump_vmm_buffer_resize", _int, _int, _int, _u64)
+vmm_buffer_ptr = _sig("ump_vmm_buffer_ptr", _uptr, _int, _int)
+vmm_buffer_size = _sig("ump_vmm_buffer_size", _u64, _int, _int)
 
 # numpy_allocator takes the address of a *function pointer* and calls through
 # it: ctypes.addressof of a foreign function is the address of the slot that
@@ -182,11 +216,18 @@ class Arena:
 
 def lookup(ptr: int) -> tuple[str | None, int, int]:
     """(kind, base, size) of the live ump block holding ``ptr``."""
+    kind, base, size, _ = lookup_owner(ptr)
+    return kind, base, size
+
+
+def lookup_owner(ptr: int) -> tuple[str | None, int, int, int]:
+    """(kind, base, size, owner) of the live ump block holding ``ptr``; the
+    owner is an arena id, or ``MAX_ARENAS + pool id`` for a VMM pool."""
     if not 0 <= ptr < 1 << 64:
-        return None, 0, 0
+        return None, 0, 0, -1
     base, size, arena = _uptr(), _u64(), _int()
     kind = _lookup(ptr, ctypes.byref(base), ctypes.byref(size), ctypes.byref(arena))
-    return KINDS.get(kind), base.value, size.value
+    return KINDS.get(kind), base.value, size.value, arena.value
 
 
 def cuda_load() -> None:

@@ -3,9 +3,12 @@
  * TSan). Threads allocate, reallocate and free blocks of mixed sizes through
  * the NumPy hooks, write a pattern into each and check it before freeing;
  * then the edge cases: overflow, foreign and double frees, the cap and its
- * fallback, injected provider failures, trim. Exits non-zero on any error.
+ * fallback, injected provider failures, trim. Then the same for a VMM pool on
+ * its emulated physical layer (memfd mappings): threads on two streams,
+ * trims from another thread, buffers, a rolled-back mapping, migration.
+ * Exits non-zero on any error.
  *
- * cc -fsanitize=address,undefined -pthread csrc/arena.c csrc/cuda.c tests/c/stress.c -ldl
+ * cc -fsanitize=address,undefined -pthread csrc/*.c (but module.c) tests/c/stress.c -ldl
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -109,6 +112,98 @@ static void *worker(void *arg)
     return NULL;
 }
 
+/* --- VMM pool ------------------------------------------------------------ */
+
+static int pool;
+
+static void *pool_worker(void *arg)
+{
+    uint64_t s = 0x2545F4914F6CDD1Dull * ((uintptr_t)arg + 7);
+    uintptr_t stream = (uintptr_t)arg % 2 + 1;
+    block_t live[32] = {{0}};
+    for (long op = 0; op < ops_per_thread / 8; op++) {
+        block_t *b = &live[rng_next(&s) % 32];
+        if (b->p) {
+            verify(b);
+            CHECK(ump_vmm_free(pool, (uintptr_t)b->p) == UMP_OK);
+            b->p = NULL;
+        } else {
+            size_t n = rng_next(&s) % 16 == 0 ? rng_next(&s) % (6 << 20) : rng_next(&s) % 300000;
+            b->p = (unsigned char *)ump_vmm_alloc(pool, n, stream);
+            CHECK(b->p && (uintptr_t)b->p % UMP_ALIGN == 0);
+            uintptr_t base;
+            uint64_t size;
+            CHECK(ump_lookup((uintptr_t)b->p + (n ? n - 1 : 0), &base, &size, NULL) == UMP_KIND_HOST);
+            CHECK(base == (uintptr_t)b->p && size >= n);
+            b->n = n;
+            b->tag = (unsigned char)(rng_next(&s) | 1);
+            fill(b);
+        }
+        if (op % 5000 == 0 && (uintptr_t)arg == 0)
+            CHECK(ump_vmm_trim(pool, op % 10000 == 0) == UMP_OK);
+    }
+    for (int i = 0; i < 32; i++)
+        if (live[i].p) {
+            verify(&live[i]);
+            CHECK(ump_vmm_free(pool, (uintptr_t)live[i].p) == UMP_OK);
+        }
+    return NULL;
+}
+
+static void pool_stress(void)
+{
+    pool = ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)16 << 30, (uint64_t)2 << 30);
+    CHECK(pool >= 0);
+    pthread_t t[THREADS];
+    for (long i = 0; i < THREADS; i++)
+        CHECK(pthread_create(&t[i], NULL, pool_worker, (void *)i) == 0);
+    for (int i = 0; i < THREADS; i++)
+        pthread_join(t[i], NULL);
+    ump_vmm_stats_t st;
+    CHECK(ump_vmm_stats(pool, &st) == UMP_OK);
+    CHECK(st.used_bytes == 0 && st.current_count == 0 && st.bad_frees == 0);
+    printf("pool: %llu blocks, peak used %llu, peak physical %llu bytes\n",
+           (unsigned long long)st.total_count, (unsigned long long)st.peak_used_bytes,
+           (unsigned long long)st.peak_physical_bytes);
+
+    /* Bad frees are refused and counted. */
+    uintptr_t a = ump_vmm_alloc(pool, 10000, 1);
+    CHECK(ump_vmm_free(pool, a + 512) != UMP_OK);
+    CHECK(ump_vmm_free(pool, a) == UMP_OK);
+    CHECK(ump_vmm_free(pool, a) != UMP_OK);
+    CHECK(ump_vmm_alloc(pool, (uint64_t)1 << 40, 1) == 0);
+
+    /* A mapping that fails half-way is undone. */
+    CHECK(ump_vmm_trim(pool, 0) == UMP_OK);
+    CHECK(ump_vmm_stats(pool, &st) == UMP_OK && st.physical_bytes == 0);
+    ump_fault_inject(1, 1); /* the handle is created, its mapping fails */
+    CHECK(ump_vmm_alloc(pool, 8 << 20, 1) == 0 && ump_last_status() == UMP_ERR_INJECTED);
+    ump_fault_inject(0, 0);
+    CHECK(ump_vmm_stats(pool, &st) == UMP_OK);
+    CHECK(st.physical_bytes == 0 && st.mapped_bytes == 0 && st.rollbacks == 1);
+
+    /* Buffers grow in place; migration keeps the address and the data. */
+    int buf = ump_vmm_buffer_create(pool, 64 << 20);
+    CHECK(buf >= 0);
+    unsigned char *bp = (unsigned char *)ump_vmm_buffer_ptr(pool, buf);
+    CHECK(ump_vmm_buffer_resize(pool, buf, 3 << 20) == UMP_OK);
+    memset(bp, 0x5a, 3 << 20);
+    CHECK(ump_vmm_buffer_resize(pool, buf, 40 << 20) == UMP_OK);
+    CHECK(bp[(3 << 20) - 1] == 0x5a);
+    memset(bp + (39 << 20), 0x6b, 1 << 20);
+    CHECK(ump_vmm_buffer_resize(pool, buf, 65 << 20) != UMP_OK);
+    CHECK(ump_vmm_grant(pool, 1) == UMP_OK);
+    CHECK(ump_vmm_migrate(pool, (uintptr_t)bp, 40 << 20, 1) == UMP_OK);
+    CHECK(ump_vmm_device_of(pool, (uintptr_t)bp, 40 << 20) == 1);
+    CHECK(bp[0] == 0x5a && bp[(40 << 20) - 1] == 0x6b);
+    CHECK(ump_vmm_buffer_resize(pool, buf, 1 << 20) == UMP_OK);
+    CHECK(ump_vmm_buffer_destroy(pool, buf) == UMP_OK);
+    CHECK(ump_vmm_trim(pool, 0) == UMP_OK);
+    CHECK(ump_vmm_stats(pool, &st) == UMP_OK && st.physical_bytes == 0);
+    CHECK(ump_vmm_destroy(pool) == UMP_OK);
+    CHECK(ump_vmm_stats(pool, &st) != UMP_OK);
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1)
@@ -178,6 +273,7 @@ int main(int argc, char **argv)
     CHECK(ump_arena_stats(arena, &st) == UMP_OK);
     CHECK(st.held_bytes == 0 && st.cached_bytes == 0);
     CHECK(ump_set_numpy_arena(-1) == UMP_OK);
+    pool_stress();
     printf("OK\n");
     return 0;
 }

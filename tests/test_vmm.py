@@ -1,0 +1,290 @@
+"""The VMM pool's logic on its emulated physical layer (memfd mappings): the
+same C code as on a GPU, minus the CUDA calls. Runs on every machine.
+
+What the GPU adds (real cuMemCreate/cuMemMap, CuPy, peer access) is in
+test_gpu_vmm.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+
+import pytest
+
+import ump
+from ump import _core
+from ump._vmm import VMMPool
+
+MiB = 1 << 20
+GRAN = 2 * MiB
+
+
+@pytest.fixture
+def pool():
+    p = VMMPool(emulate=True, reserve=8 << 30)
+    yield p
+    _core.fault_inject(0, 0)
+    if not p._closed and p.statistics().current_count == 0:
+        p.close()  # pools are a process-wide resource (16 at most)
+
+
+def _fill(ptr, n, byte):
+    ctypes.memset(ptr, byte, n)
+
+
+def _check(ptr, n, byte):
+    data = ctypes.string_at(ptr, n)
+    return data == bytes([byte]) * n
+
+
+def test_blocks_are_aligned_distinct_and_keep_their_data(pool):
+    sizes = [1, 511, 512, 4097, MiB, 3 * MiB + 5, 17 * MiB]
+    ptrs = [pool.allocate(n) for n in sizes]
+    for i, (p, n) in enumerate(zip(ptrs, sizes)):
+        assert p % 512 == 0
+        _fill(p, n, i + 1)
+    for i, (p, n) in enumerate(zip(ptrs, sizes)):
+        assert _check(p, n, i + 1)
+        assert ump.kind_of(p) == "host" and ump.kind_of(p + n - 1) == "host"
+        assert _core.lookup(p + n // 2)[1:] == (p, (n + 511) // 512 * 512)
+    st = pool.statistics()
+    assert st.current_count == len(sizes)
+    assert st.used_bytes == sum((n + 511) // 512 * 512 for n in sizes)
+    for p in ptrs:
+        pool.deallocate(p)
+    assert pool.statistics().used_bytes == 0
+    assert ump.kind_of(ptrs[0]) is None
+
+
+def test_growth_maps_granules_and_large_requests_take_few_handles(pool):
+    p = pool.allocate(64 * MiB)
+    st = pool.statistics()
+    assert st.mapped_bytes == 64 * MiB == st.physical_bytes
+    # halving: 32 granules -> handles of 16, 8, 4, 2, 1, 1 granules
+    assert st.handles == 6
+    pool.deallocate(p)
+
+
+def test_handles_are_reused_not_recreated(pool):
+    ptrs = [pool.allocate(GRAN) for _ in range(8)]
+    for p in ptrs:
+        pool.deallocate(p)
+    created = pool.statistics().handles_created
+    assert pool.trim(keep_handles=True) == 16 * MiB  # unmapped, kept
+    st = pool.statistics()
+    assert st.mapped_bytes == 0 and st.cached_bytes == 16 * MiB
+    again = [pool.allocate(GRAN) for _ in range(8)]
+    st = pool.statistics()
+    assert st.handles_created == created  # every mapping reused a cached handle
+    assert st.mapped_bytes == 16 * MiB and st.cached_bytes == 0
+    for p in again:
+        pool.deallocate(p)
+
+
+def test_trim_gives_back_everything_free(pool):
+    keep = pool.allocate(GRAN)
+    ptrs = [pool.allocate(n * MiB) for n in (3, 10, 33)]
+    for p in ptrs:
+        pool.deallocate(p)
+    released = pool.trim()
+    st = pool.statistics()
+    assert released > 0
+    # only the granules the live block touches stay
+    assert st.physical_bytes <= 2 * GRAN and st.cached_bytes == 0
+    assert _core.lookup(keep)[0] == "host"
+    pool.deallocate(keep)
+    pool.trim()
+    assert pool.statistics().physical_bytes == 0
+
+
+def test_idle_memory_is_moved_before_new_memory_is_created(pool):
+    """Physical memory follows the live blocks, not the address range."""
+    a = pool.allocate(32 * MiB)
+    b = pool.allocate(MiB)  # pins the end of a's range: a's hole cannot merge with top
+    pool.deallocate(a)
+    c = pool.allocate(40 * MiB)  # does not fit in the 32 MiB hole: new addresses
+    st = pool.statistics()
+    assert c != a
+    # a's handles were unmapped and remapped under c instead of new ones
+    assert st.physical_bytes <= 44 * MiB
+    assert st.unmaps > 0
+    pool.deallocate(b)
+    pool.deallocate(c)
+
+
+def test_best_fit_and_merging(pool):
+    a, b, c = (pool.allocate(MiB) for _ in range(3))
+    pool.deallocate(a)
+    pool.deallocate(b)
+    assert pool.allocate(2 * MiB) == a  # a and b merged
+    small = pool.allocate(4096)
+    assert a < small < c or small > c
+
+
+def test_stream_order(pool):
+    """A block freed on one stream is reused on that stream only."""
+    a = pool.allocate(MiB, stream=1)
+    pool.deallocate(a)
+    b = pool.allocate(MiB, stream=2)
+    assert b != a
+    assert pool.allocate(MiB, stream=1) == a
+
+
+def test_limit(pool):
+    pool.set_limit(16 * MiB)
+    p = pool.allocate(12 * MiB)
+    _fill(p, 12 * MiB, 7)
+    with pytest.raises(ump.OutOfMemoryError, match="limit 16777216"):
+        pool.allocate(8 * MiB)
+    assert _check(p, 12 * MiB, 7)  # nothing lost
+    pool.deallocate(p)
+    q = pool.allocate(16 * MiB)  # the freed memory is reused under the limit
+    assert pool.statistics().physical_bytes <= 16 * MiB
+    pool.deallocate(q)
+    pool.set_limit()  # no limit
+    assert pool.get_limit() == 0
+
+
+@pytest.mark.parametrize("after", [0, 1, 2, 3])
+def test_a_failed_mapping_is_rolled_back(pool, after):
+    """Fail the N-th step (create, map, ..., set-access) of a 3-handle mapping."""
+    keep = pool.allocate(MiB)
+    _fill(keep, MiB, 9)
+    before = pool.statistics()
+    _core.fault_inject(after, 1)
+    with pytest.raises(ump.OutOfMemoryError, match="UMP_ERR_INJECTED"):
+        pool.allocate(7 * MiB)  # granules 0-3: 0 is mapped, 1-3 need handles
+    _core.fault_inject(0, 0)
+    st = pool.statistics()
+    assert st.rollbacks == before.rollbacks + 1
+    assert (st.physical_bytes, st.mapped_bytes, st.used_bytes) == (
+        before.physical_bytes, before.mapped_bytes, before.used_bytes)
+    assert _check(keep, MiB, 9)
+    p = pool.allocate(7 * MiB)  # and the pool still works
+    _fill(p, 7 * MiB, 1)
+    pool.deallocate(p)
+    pool.deallocate(keep)
+
+
+def test_fragmentation_workload_holds_little_more_than_it_uses(pool):
+    """Mixed sizes (1 KiB - 64 MiB), random lifetimes, ~2 GiB live: the
+    physical memory held at peak stays within 10 % of the bytes in use."""
+    rng = random.Random(0)
+    live, used, peak = [], 0, 0
+    for _ in range(3000):
+        if live and (rng.random() < 0.45 or used > 1 << 31):
+            ptr, n = live.pop(rng.randrange(len(live)))
+            pool.deallocate(ptr)
+            used -= n
+        else:
+            n = (int(2 ** rng.uniform(10, 26)) + 511) // 512 * 512
+            live.append((pool.allocate(n), n))
+            used += n
+            peak = max(peak, used)
+    st = pool.statistics()
+    assert st.peak_used_bytes == peak
+    assert st.peak_physical_bytes / peak <= 1.10
+    for ptr, _ in live:
+        pool.deallocate(ptr)
+
+
+def test_threads(pool):
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        live = []
+        try:
+            for _ in range(1500):
+                if live and rng.random() < 0.5:
+                    p, n, tag = live.pop(rng.randrange(len(live)))
+                    if not _check(p, min(n, 4096), tag):
+                        errors.append("corrupted")
+                    pool.deallocate(p)
+                else:
+                    n = rng.randrange(1, 3 * MiB)
+                    p = pool.allocate(n, stream=seed % 2)
+                    tag = rng.randrange(1, 255)
+                    _fill(p, min(n, 4096), tag)
+                    live.append((p, n, tag))
+            for p, n, tag in live:
+                pool.deallocate(p)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    st = pool.statistics()
+    assert st.used_bytes == 0 and st.current_count == 0 and st.bad_frees == 0
+
+
+def test_growable_buffer_keeps_its_address_and_data(pool):
+    buf = pool.buffer(256 * MiB, 3 * MiB)
+    ptr = buf.ptr
+    _fill(ptr, 3 * MiB, 5)
+    buf.resize(100 * MiB)
+    assert buf.ptr == ptr and buf.size == 100 * MiB
+    assert _check(ptr, 3 * MiB, 5)
+    _fill(ptr + 99 * MiB, MiB, 6)
+    assert ump.kind_of(ptr + 99 * MiB) == "host"
+    assert pool.used_bytes() == 100 * MiB
+    buf.resize(4 * MiB)  # shrinking unmaps whole handles past the end
+    assert pool.statistics().mapped_bytes < 100 * MiB
+    assert _check(ptr, 3 * MiB, 5)
+    with pytest.raises(ValueError, match="max_bytes"):
+        buf.resize(257 * MiB)
+    buf.close()
+    assert ump.kind_of(ptr) is None
+
+
+def test_migrate_keeps_address_and_data(pool):
+    p = pool.allocate(20 * MiB)
+    _fill(p, 20 * MiB, 3)
+    pool.migrate(p, 20 * MiB, 1)
+    assert pool.device_of(p, 20 * MiB) == 1
+    assert 1 in pool.devices
+    assert _check(p, 20 * MiB, 3)
+    assert ump.migrate(p, 0) == p  # back, through the public function
+    assert pool.device_of(p, 20 * MiB) == 0 and _check(p, 20 * MiB, 3)
+    pool.deallocate(p)
+
+
+def test_bad_input(pool):
+    p = pool.allocate(4096)
+    with pytest.raises(ValueError, match="not a live block"):
+        pool.deallocate(p + 512)
+    pool.deallocate(p)
+    with pytest.raises(ValueError, match="not a live block"):
+        pool.deallocate(p)  # double free
+    assert pool.statistics().bad_frees == 2
+    with pytest.raises(ValueError, match="non-negative"):
+        pool.allocate(-1)
+    with pytest.raises(ump.OutOfMemoryError, match="reserved address range"):
+        pool.allocate(1 << 40)
+    with pytest.raises(ValueError, match="fraction"):
+        pool.set_limit(fraction=1.5)
+    with pytest.raises(ValueError, match="non-negative"):
+        pool.set_limit(-5)
+    with pytest.raises(ValueError, match="device"):
+        pool.grant(-1)
+    with pytest.raises(ValueError, match="reserve"):
+        VMMPool(emulate=True, reserve=0)
+    with pytest.raises(ValueError):
+        pool.buffer(0)
+    with pytest.raises(ump.UmpError, match="VMM pool"):
+        ump.migrate(12345, 1)  # not pool memory
+    with pytest.raises(TypeError):
+        ump.migrate("garbage", 1)
+    q = pool.allocate(10)
+    with pytest.raises(ump.UmpError, match="live block"):
+        pool.close()
+    pool.deallocate(q)
+    pool.close()
+    assert ump.kind_of(q) is None
+    pool.close()  # twice is fine
