@@ -87,3 +87,43 @@ def test_statistics_back_to_start_after_stress(gpu_backend):
     errors, _, _, before, after = _stress(gpu_backend)
     assert not errors
     assert (after.current_bytes, after.current_count) == (before.current_bytes, before.current_count)
+
+
+def test_device_pool_stress(gpu_caps):
+    """The VMM pool under CuPy from 8 threads on 4 streams: mixed sizes and
+    lifetimes, a kernel writes each array and its ends are checked before it
+    is freed; the pool's used bytes return to where they started."""
+    if not gpu_caps.devices[0].vmm_supported:
+        pytest.skip("no VMM on this GPU")
+    ump.enable("device", cap=4 << 30)
+    import cupy
+
+    pool = ump._enable.current().cupy.pool
+    gc.collect()
+    cupy.cuda.runtime.deviceSynchronize()
+    before = pool.statistics()
+    per_thread = OPS // 5 // 8
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)] + [cupy.cuda.Stream.null]
+
+    def work(t):
+        rng = np.random.default_rng(100 + t)
+        live = []
+        with streams[t % 4]:
+            for _ in range(per_thread):
+                if live and (rng.random() < 0.45 or len(live) >= 64):
+                    g, v = live.pop(int(rng.integers(len(live))))
+                    assert int(g[0]) == v and int(g[-1]) == v
+                else:
+                    n = int(rng.choice([1, 100, 5_000, 200_000, 1_500_000]))
+                    v = int(rng.integers(1, 1 << 20))
+                    live.append((cupy.full(n, v, dtype=cupy.int32), v))
+            for g, v in live:
+                assert int(g[0]) == v and int(g[-1]) == v
+
+    errors = run_threads(work)
+    assert not errors, errors[:3]
+    gc.collect()
+    cupy.cuda.runtime.deviceSynchronize()
+    after = pool.statistics()
+    assert (after.used_bytes, after.current_count) == (before.used_bytes, before.current_count)
+    assert after.bad_frees == before.bad_frees and after.total_count > before.total_count + per_thread

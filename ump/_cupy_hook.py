@@ -173,13 +173,15 @@ class _Export:
 class CupyHook:
     """Everything ump changes in CuPy while enabled, and how to undo it."""
 
-    def __init__(self, cupy, backend, arena, options):
+    def __init__(self, cupy, backend, arena, options, pool=None):
         self.cupy = cupy
         self.backend = backend
         self.arena = arena
         self.options = options
         self.device = options.device
-        self.pool = cupy.cuda.MemoryPool(self._upstream)
+        # backend "device": a VMM pool, and NumPy <-> CuPy are copies
+        self.copies = pool is not None
+        self.pool = pool if pool is not None else cupy.cuda.MemoryPool(self._upstream)
         self._pending = collections.deque()
         self._drain_lock = threading.Lock()
         self._placement = {}  # (base, size) -> [on_gpu, heavy, start event]
@@ -315,7 +317,13 @@ class CupyHook:
     def array(self, obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
         """Stands in for ``cupy._core.array``."""
         original = self._saved["array"]
-        if isinstance(obj, numpy.ndarray):
+        if isinstance(obj, numpy.ndarray) and self.copies:
+            # A host array always needs a copy here, whatever `copy` says.
+            if ndmin <= obj.ndim and (dtype is None or numpy.dtype(dtype) == obj.dtype):
+                out = self.copy_in(obj, order)
+                if out is not None:
+                    return out
+        elif isinstance(obj, numpy.ndarray):
             shared = self.wrap_host(obj)
             if shared is not None:
                 if (copy is not True and ndmin <= shared.ndim
@@ -326,6 +334,24 @@ class CupyHook:
                 # CuPy array: a view where it can, else a copy on the GPU.
                 return original(shared, dtype, copy, order, subok, ndmin, blocking)
         return original(obj, dtype, copy, order, subok, ndmin, blocking)
+
+    def copy_in(self, a, order):
+        """Backend "device": a contiguous NumPy array in ump's pinned memory
+        is copied by one DMA straight from its memory (CuPy would first copy
+        it into a staging buffer). None where CuPy's own path must run."""
+        dtype = a.dtype
+        if (a.size == 0 or not a.flags.c_contiguous or not _layout_ok(a, order)
+                or dtype.kind not in "biufc" or not dtype.isnative or dtype.char in "gG"):
+            return None
+        ptr = a.__array_interface__["data"][0]
+        if _block_of(ptr, a.shape, a.strides, dtype.itemsize, kinds=("pinned",)) is None:
+            return None
+        cupy = self.cupy
+        out = cupy.empty(a.shape, dtype)
+        stream = cupy.cuda.get_current_stream()
+        out.data.copy_from_host_async(ptr, a.nbytes, stream)
+        stream.synchronize()  # the caller may write to `a` as soon as we return
+        return out
 
     # --- CuPy -> NumPy ------------------------------------------------------
     def interface(self, g):

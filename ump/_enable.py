@@ -7,7 +7,7 @@ import dataclasses
 import os
 import threading
 
-from . import _core, _cupy_hook, _numpy_hook, backends
+from . import _core, _cupy_hook, _numpy_hook, _vmm, backends
 from ._errors import UmpError
 from ._probe import probe
 
@@ -84,6 +84,7 @@ class State:
 _lock = threading.RLock()
 _state: State | None = None
 _retired: list = []  # hooks of earlier enables: their pools own live CuPy blocks
+_device_pools: dict = {}  # device -> the VMMPool backend="device" uses, kept across enables
 
 
 def current() -> State | None:
@@ -122,9 +123,12 @@ def enable(backend: str = "auto", **options) -> str:
 
     Parameters
     ----------
-    backend : {"auto", "system", "managed", "pinned", "host"}
+    backend : {"auto", "system", "managed", "pinned", "device", "host"}
         ``"auto"`` picks the first of system, managed, pinned that the device
-        supports, and ``host`` on a machine without a GPU.
+        supports, and ``host`` on a machine without a GPU. ``"device"`` is
+        not unified: CuPy allocates from a VMM device pool
+        (:class:`ump.VMMPool`), NumPy from pinned memory, and transfers are
+        copies at DMA speed.
     **options
         See :class:`Options`.
 
@@ -177,11 +181,18 @@ def enable(backend: str = "auto", **options) -> str:
             ctx, free_device = _gpu_context(opts.device)
             _core.cuda_set_context(ctx, opts.device)
         cap = _resolve_cap(chosen, opts, free_device)
-        numpy_arena = _core.Arena(chosen.name, chosen.provider, cap, chosen.advise_host)
-        cupy_arena = hook = None
+        numpy_arena = _core.Arena(chosen.numpy_arena_kind, chosen.provider, cap, chosen.advise_host)
+        cupy_arena = hook = pool = None
         if cupy is not None:
-            cupy_arena = _core.Arena(chosen.name, chosen.provider, cap, advise_host=False)
-            hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts)
+            if chosen.name == "device":
+                pool = _device_pools.get(opts.device)
+                if pool is None:
+                    pool = _device_pools[opts.device] = _vmm.VMMPool(opts.device, limit=cap)
+                else:
+                    pool.set_limit(cap)
+            else:
+                cupy_arena = _core.Arena(chosen.name, chosen.provider, cap, advise_host=False)
+            hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts, pool=pool)
             with cupy.cuda.Device(opts.device):
                 hook.install()
         _numpy_hook.install(numpy_arena.id)

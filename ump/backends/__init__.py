@@ -32,12 +32,20 @@ class Backend:
     advise_host : bool
         NumPy-side chunks are advised to stay in host memory, mapped by the
         GPU (managed memory only).
+    numpy_kind : str, optional
+        The kind of NumPy's arena when it differs from ``name`` (the
+        ``device`` backend keeps NumPy arrays in pinned memory).
     """
 
     name: str
     provider: int
     uses_gpu: bool
     advise_host: bool = False
+    numpy_kind: str | None = None
+
+    @property
+    def numpy_arena_kind(self) -> str:
+        return self.numpy_kind or self.name
 
     def unavailable(self, caps: Capabilities, device: DeviceInfo | None) -> str | None:
         """Why this backend cannot run here, or None if it can."""
@@ -68,8 +76,9 @@ from .host import HOST  # noqa: E402
 from .managed import MANAGED  # noqa: E402
 from .pinned import PINNED  # noqa: E402
 from .system import SYSTEM  # noqa: E402
+from .device import DEVICE  # noqa: E402
 
-_ALL = {b.name: b for b in (SYSTEM, MANAGED, PINNED, HOST)}
+_ALL = {b.name: b for b in (SYSTEM, MANAGED, PINNED, DEVICE, HOST)}
 #: The order ``backend="auto"`` tries on a machine with a GPU.
 AUTO_ORDER = ("system", "managed", "pinned")
 
