@@ -1,12 +1,17 @@
 """Run CuPy's own tests (a checkout of its tests/ folder) with and without ump.
 
     python tools/cupy_suite.py TESTS_DIR OUT_DIR [pytest args...]
+
+TESTS_DIR is the tests/ folder of a CuPy checkout, with CuPy's pyproject.toml
+beside it (its pytest settings: strict markers, warning filters).
     UMP_SUITE_RUNS=stock python tools/cupy_suite.py ...   # one side only
+    UMP_SUITE_BACKEND=device python tools/cupy_suite.py ...   # ump with another backend
     python tools/cupy_suite.py --compare STOCK.xml UMP.xml
 
 The "stock" run is CuPy as shipped (CUPY_ENABLE_UMP unset: its own UMP path
-fails on GPUs without HMM/ATS). The "ump" run replaces the UMP recipe in
-CuPy's tests/conftest.py with ``ump.enable()`` and sets CUPY_ENABLE_UMP=1.
+fails on GPUs without HMM/ATS). The "ump" run turns off the UMP recipe in
+CuPy's tests/conftest.py, sets CUPY_ENABLE_UMP=1 and enables ump through
+tools/ump_cupy_plugin.py instead.
 Each run writes JUnit XML; the script prints both counts and every test whose
 outcome differs.
 """
@@ -20,23 +25,17 @@ import sys
 import xml.etree.ElementTree as ET
 
 RECIPE = "if int(os.environ.get('CUPY_ENABLE_UMP', 0)) != 0:\n    # Make sure malloc"
-PRELUDE = '''import os as _os
-if _os.environ.get("UMP_CUPY_SUITE") == "1":
-    import ump
-    ump.enable(cap=int(_os.environ.get("UMP_CUPY_SUITE_CAP", str(4 << 30))))
-'''
+REPLACED = "if False:  # ump.enable() instead: tools/ump_cupy_plugin.py\n    # Make sure malloc"
 
 
 def patch_conftest(tests: pathlib.Path) -> None:
     conftest = tests / "conftest.py"
     text = conftest.read_text()
-    if PRELUDE in text:
+    if REPLACED in text:
         return
     if RECIPE not in text:
         raise SystemExit(f"{conftest}: CuPy's UMP recipe not found; is this CuPy v14.2.0?")
-    text = text.replace(RECIPE, "if False:  # replaced by ump.enable() above\n    # Make sure malloc")
-    conftest.write_text("from __future__ import annotations\n" + PRELUDE
-                        + text.replace("from __future__ import annotations\n", "", 1))
+    conftest.write_text(text.replace(RECIPE, REPLACED))
 
 
 def outcomes(xml_path: pathlib.Path) -> dict[str, str]:
@@ -64,21 +63,29 @@ def main(argv):
         report(outcomes(pathlib.Path(argv[1])), outcomes(pathlib.Path(argv[2])))
         return
     tests, out, args = pathlib.Path(argv[0]), pathlib.Path(argv[1]), argv[2:]
+    if not (tests.parent / "pyproject.toml").exists():
+        # Without it pytest would take the settings of some enclosing project.
+        raise SystemExit(f"{tests.parent}/pyproject.toml is missing: put CuPy's (v14.2.0) there, "
+                         "its [tool.pytest.ini_options] are how CuPy runs its tests")
     patch_conftest(tests)
     wanted = os.environ.get("UMP_SUITE_RUNS", "stock,ump").split(",")
     runs = {}
-    for label, extra_env in (("stock", {}), ("ump", {"UMP_CUPY_SUITE": "1", "CUPY_ENABLE_UMP": "1"})):
+    tools = str(pathlib.Path(__file__).resolve().parent)
+    for label, extra_env, plugin in (("stock", {}, []), ("ump", {"CUPY_ENABLE_UMP": "1"}, ["-p", "ump_cupy_plugin"])):
         if label not in wanted:
             continue
-        env = {k: v for k, v in os.environ.items() if k not in ("CUPY_ENABLE_UMP", "UMP_CUPY_SUITE")}
+        env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
         env.update(extra_env)
-        xml = out / f"cupy-suite-{label}.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tools, env.get("PYTHONPATH")]))
+        backend = os.environ.get("UMP_SUITE_BACKEND", "auto")
+        name = label if label == "stock" or backend == "auto" else f"{label}-{backend}"
+        xml = out / f"cupy-suite-{name}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, f"--junitxml={xml}", *args]
         proc = subprocess.run(cmd, cwd=tests, env=env, capture_output=True, text=True)
-        (out / f"cupy-suite-{label}.log").write_text(proc.stdout[-200_000:] + proc.stderr[-50_000:])
+        (out / f"cupy-suite-{name}.log").write_text(proc.stdout[-200_000:] + proc.stderr[-50_000:])
         runs[label] = outcomes(xml)
         counts = {k: sum(1 for v in runs[label].values() if v == k) for k in ("passed", "failed", "skipped")}
-        print(f"{label}: {counts}", flush=True)
+        print(f"{name}: {counts}", flush=True)
     if len(runs) == 2:
         report(runs["stock"], runs["ump"])
 

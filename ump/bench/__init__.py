@@ -26,7 +26,7 @@ __all__ = ["configurations", "run", "compare", "table", "plot", "overhead"]
 def configurations(caps, smoke: bool) -> list[str]:
     if not caps.gpu or caps.cupy_version is None:
         return ["stock", "imported", "host"]
-    usable = [n for n in backends.AUTO_ORDER
+    usable = [n for n in (*backends.AUTO_ORDER, "device")
               if backends.get(n).unavailable(caps, caps.devices[0]) is None]
     configs = ["stock", "imported"] + usable
     if "managed" in usable and not smoke:
@@ -63,7 +63,10 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
             raise RuntimeError(f"benchmark configuration {config!r} failed:\n{proc.stderr[-4000:]}")
         for case, timing in json.loads(proc.stdout).items():
             entry = raw.setdefault(case, {"suite": timing["suite"]}).setdefault(
-                config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": []})
+                config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": [],
+                         "metrics": {}})
+            for name, value in timing.get("metrics", {}).items():
+                entry["metrics"].setdefault(name, []).append(value)
             entry["cpu_times"] += timing["cpu"]
             entry["gpu_times"] += timing["gpu"]
             entry["round_cpu"].append(statistics.median(timing["cpu"]))
@@ -122,6 +125,8 @@ def table(report) -> str:
             text = f"CPU {cpu['median']:.1f} µs"
             if gpu:
                 text += f", GPU {gpu['median']:.1f} µs"
+            for name, values in entry.get("metrics", {}).items():
+                text += f"; {name} {statistics.median(values):.3g}"
             if base and config != "stock":
                 ratio = _time_of(entry)["median"] / _time_of(base)["median"]
                 text += f" (×{ratio:.3g})"

@@ -133,6 +133,151 @@ def workflows(smoke):
     }
 
 
+# --- pools: ump's VMM pool against CuPy's MemoryPool and cudaMallocAsync ----
+# These cases build their own pools, so they do not depend on the
+# configuration; the runner runs them in the "stock" process only.
+
+def _growth(pool, step, count, repeat, keep_handles):
+    """Microseconds per 2 MiB to map `count` blocks of `step` bytes, with the
+    pool's handles cached (keep_handles) or released (fresh cuMemCreate)."""
+    import cupy
+
+    times = []
+    for _ in range(repeat + 1):
+        cupy.cuda.runtime.deviceSynchronize()
+        pool.trim(keep_handles=keep_handles)
+        t0 = time.perf_counter()
+        blocks = [pool.allocate(step) for _ in range(count)]
+        dt = time.perf_counter() - t0
+        for b in blocks:
+            pool.deallocate(b)
+        times.append(dt * 1e6 / (count * step / (2 * MiB)))
+    return {"cpu": times[1:], "gpu": []}  # the first fills the cache
+
+
+def _frag_ops(smoke, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    steps, budget, top = (300, 64 * MiB, 22) if smoke else (4000, 2 << 30, 26)
+    ops, live, used = [], [], 0
+    for i in range(steps):
+        if live and (rng.random() < 0.45 or used > budget):
+            key, n = live.pop(rng.randrange(len(live)))
+            used -= n
+            ops.append((key, 0))
+        else:
+            n = (int(2 ** rng.uniform(10, top)) + 511) // 512 * 512
+            live.append((i, n))
+            used += n
+            ops.append((i, n))
+    return ops
+
+
+def _replay(ops, malloc, reserved):
+    """Run the workload; returns (seconds, peak bytes in use, peak reserved)."""
+    live, used, peak_used, peak_res = {}, 0, 0, 0
+    t0 = time.perf_counter()
+    for key, n in ops:
+        if n:
+            live[key] = (malloc(n), n)
+            used += n
+            peak_used = max(peak_used, used)
+            if reserved is not None:
+                peak_res = max(peak_res, reserved())
+        else:
+            used -= live.pop(key)[1]
+    dt = time.perf_counter() - t0
+    live.clear()
+    return dt, peak_used, peak_res
+
+
+def pools(smoke):
+    import cupy
+    from cupy.cuda import runtime
+
+    from .._vmm import VMMPool
+
+    out = {}
+    repeat = 3 if smoke else 10
+    count = 8 if smoke else 128
+    vmm = VMMPool(0)
+    try:
+        for step, label in ((2 * MiB, "2MiB"), (64 * MiB, "64MiB")):
+            n = count if step == 2 * MiB else max(count // 16, 2)
+            out[f"VMM growth per 2MiB, {label} steps, handles reused"] = _growth(vmm, step, n, repeat, True)
+            out[f"VMM growth per 2MiB, {label} steps, new handles"] = _growth(vmm, step, n, repeat, False)
+        mp = cupy.cuda.MemoryPool()
+
+        def cupy_growth():
+            times = []
+            for _ in range(repeat):
+                mp.free_all_blocks()
+                t0 = time.perf_counter()
+                blocks = [mp.malloc(2 * MiB) for _ in range(count)]
+                times.append((time.perf_counter() - t0) * 1e6 / count)
+                del blocks
+            return {"cpu": times, "gpu": []}
+
+        out["CuPy MemoryPool growth per 2MiB (cudaMalloc)"] = cupy_growth()
+        mp.free_all_blocks()
+
+        ops = _frag_ops(smoke)
+        vmm.trim()
+        base = vmm.statistics()
+        dt, peak, _ = _replay(ops, vmm.malloc, None)
+        st = vmm.statistics()
+        assert st.peak_used_bytes - base.used_bytes >= peak
+        out["fragmentation: ump VMMPool"] = {
+            "cpu": [dt * 1e6], "gpu": [],
+            "metrics": {"peak reserved / peak used": st.peak_physical_bytes / peak}}
+
+        mp = cupy.cuda.MemoryPool()
+        dt, peak, res = _replay(ops, mp.malloc, mp.total_bytes)
+        out["fragmentation: CuPy MemoryPool"] = {
+            "cpu": [dt * 1e6], "gpu": [], "metrics": {"peak reserved / peak used": res / peak}}
+        mp.free_all_blocks()
+
+        dev = cupy.cuda.Device().id
+        handle = runtime.deviceGetMemPool(dev)
+        runtime.deviceSynchronize()
+        runtime.memPoolTrimTo(handle, 0)
+        for attr in (0x6, 0x8):  # cudaMemPoolAttrReservedMemHigh, cudaMemPoolAttrUsedMemHigh
+            runtime.memPoolSetAttribute(handle, attr, 0)
+        ap = cupy.cuda.MemoryAsyncPool()
+        dt, peak, _ = _replay(ops, ap.malloc, None)
+        runtime.deviceSynchronize()
+        res = runtime.memPoolGetAttribute(handle, 0x6)
+        out["fragmentation: cudaMallocAsync pool"] = {
+            "cpu": [dt * 1e6], "gpu": [], "metrics": {"peak reserved / peak used": res / peak}}
+        runtime.memPoolTrimTo(handle, 0)
+
+        # trim: what the driver gets back of the memory the pool held free
+        keep = [vmm.allocate(n) for n in (5 * MiB, 300 * 1024)]
+        blocks = [vmm.allocate((i % 7 + 1) * 3 * MiB) for i in range(8 if smoke else 200)]
+        for b in blocks:
+            vmm.deallocate(b)
+        runtime.deviceSynchronize()
+        st = vmm.statistics()
+        free_held = st.physical_bytes - st.used_bytes
+        before = runtime.memGetInfo()[0]
+        t0 = time.perf_counter()
+        vmm.trim()
+        dt = time.perf_counter() - t0
+        back = runtime.memGetInfo()[0] - before
+        out["trim: returned / free held"] = {
+            "cpu": [dt * 1e6], "gpu": [], "metrics": {"returned / free held": back / free_held,
+                                                      "free held MiB": free_held / MiB}}
+        for b in keep:
+            vmm.deallocate(b)
+    finally:
+        vmm.trim()
+        vmm.close()
+    return out
+
+
 CPU_SUITES = {"alloc_numpy": alloc_numpy}
 GPU_SUITES = {"alloc_cupy": alloc_cupy, "dispatch": dispatch, "interop": interop,
-              "workflows": workflows}
+              "workflows": workflows, "pools": pools}
+#: Suites whose cases do not depend on the configuration: run once, in "stock".
+CONFIG_FREE = {"pools"}
