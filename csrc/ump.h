@@ -116,8 +116,7 @@ int ump_vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool);
 int ump_vmm_buffer_create(int pool, uint64_t max_bytes);
 int ump_vmm_buffer_destroy(int pool, int buf);
 int ump_vmm_buffer_resize(int pool, int buf, uint64_t bytes);
-uintptr_t ump_vmm_buffer_ptr(int pool, int buf);
-uint64_t ump_vmm_buffer_size(int pool, int buf);
+int ump_vmm_buffer_info(int pool, int buf, uintptr_t *ptr, uint64_t *size);
 
 /* --- registry ------------------------------------------------------------ */
 /* Kind of the live block holding ptr (UMP_KIND_NONE if none); base/size/arena

@@ -1112,16 +1112,20 @@ int ump_vmm_buffer_create(int id, uint64_t max_bytes)
     return status == UMP_OK ? buf : fail(status);
 }
 
-uintptr_t ump_vmm_buffer_ptr(int id, int buf)
+/* A buffer's address (fixed for its life) and the bytes in use. */
+int ump_vmm_buffer_info(int id, int buf, uintptr_t *ptr, uint64_t *size)
 {
     pool_t *p = pool_get(id);
     if (!p)
-        return 0;
+        return fail(UMP_ERR_ARG);
     pthread_mutex_lock(&p->lock);
     region_t *r = buffer_get(p, buf);
-    uintptr_t va = r ? r->va : 0;
+    if (r) {
+        *ptr = r->va;
+        *size = r->size;
+    }
     pthread_mutex_unlock(&p->lock);
-    return va;
+    return r ? UMP_OK : fail(UMP_ERR_ARG);
 }
 
 /* Unmap the handles of a region that lie wholly at or past granule `from`;
@@ -1166,18 +1170,6 @@ int ump_vmm_buffer_resize(int id, int buf, uint64_t bytes)
         p->st.failures++;
     pthread_mutex_unlock(&p->lock);
     return status == UMP_OK ? UMP_OK : fail(status);
-}
-
-uint64_t ump_vmm_buffer_size(int id, int buf)
-{
-    pool_t *p = pool_get(id);
-    if (!p)
-        return 0;
-    pthread_mutex_lock(&p->lock);
-    region_t *r = buffer_get(p, buf);
-    uint64_t n = r ? r->size : 0;
-    pthread_mutex_unlock(&p->lock);
-    return n;
 }
 
 int ump_vmm_buffer_destroy(int id, int buf)

@@ -30,16 +30,17 @@ ALIGN = 512
 lib = ctypes.CDLL(_ucore.__file__)
 
 
-class _CStats(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_uint64)
-        for name in (
-            "current_bytes", "peak_bytes", "total_bytes",
-            "current_count", "peak_count", "total_count",
-            "held_bytes", "cached_bytes", "cap_bytes",
-            "chunk_allocs", "chunk_frees", "failures",
-        )
-    ]
+def _u64_struct(name: str, fields: tuple[str, ...]) -> type:
+    """A ctypes mirror of a C struct made only of uint64_t fields."""
+    return type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_uint64) for f in fields]})
+
+
+_CStats = _u64_struct("_CStats", (
+    "current_bytes", "peak_bytes", "total_bytes",
+    "current_count", "peak_count", "total_count",
+    "held_bytes", "cached_bytes", "cap_bytes",
+    "chunk_allocs", "chunk_frees", "failures",
+))
 
 
 def _sig(name, restype, *argtypes):
@@ -75,19 +76,15 @@ fault_inject = _sig("ump_fault_inject", None, ctypes.c_int64, ctypes.c_int64)
 is_forked_child = _sig("ump_is_forked_child", _int)
 
 
-class _CVmmStats(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_uint64)
-        for name in (
-            "used_bytes", "peak_used_bytes", "total_bytes",
-            "current_count", "peak_count", "total_count",
-            "buffer_bytes", "reserved_bytes", "mapped_bytes", "peak_mapped_bytes",
-            "physical_bytes", "peak_physical_bytes", "cached_bytes", "idle_bytes",
-            "limit_bytes", "granularity",
-            "handles", "handles_created", "handles_released", "maps", "unmaps",
-            "rollbacks", "migrations", "failures", "bad_frees",
-        )
-    ]
+_CVmmStats = _u64_struct("_CVmmStats", (
+    "used_bytes", "peak_used_bytes", "total_bytes",
+    "current_count", "peak_count", "total_count",
+    "buffer_bytes", "reserved_bytes", "mapped_bytes", "peak_mapped_bytes",
+    "physical_bytes", "peak_physical_bytes", "cached_bytes", "idle_bytes",
+    "limit_bytes", "granularity",
+    "handles", "handles_created", "handles_released", "maps", "unmaps",
+    "rollbacks", "migrations", "failures", "bad_frees",
+))
 
 
 vmm_create = _sig("ump_vmm_create", _int, _int, _int, _uptr, _u64, _u64)
@@ -104,8 +101,15 @@ vmm_device_of = _sig("ump_vmm_device_of", _int, _int, _uptr, _u64)
 vmm_buffer_create = _sig("ump_vmm_buffer_create", _int, _int, _u64)
 vmm_buffer_destroy = _sig("ump_vmm_buffer_destroy", _int, _int, _int)
 vmm_buffer_resize = _sig("ump_vmm_buffer_resize", _int, _int, _int, _u64)
-vmm_buffer_ptr = _sig("ump_vmm_buffer_ptr", _uptr, _int, _int)
-vmm_buffer_size = _sig("ump_vmm_buffer_size", _u64, _int, _int)
+vmm_buffer_info = _sig("ump_vmm_buffer_info", _int, _int, _int, ctypes.POINTER(_uptr),
+                       ctypes.POINTER(_u64))
+
+
+def vmm_buffer(pool: int, buf: int) -> tuple[int, int]:
+    """(address, bytes in use) of a pool's growable buffer."""
+    ptr, size = _uptr(), _u64()
+    check(vmm_buffer_info(pool, buf, ctypes.byref(ptr), ctypes.byref(size)), "reading a buffer")
+    return ptr.value, size.value
 
 # numpy_allocator takes the address of a *function pointer* and calls through
 # it: ctypes.addressof of a foreign function is the address of the slot that

@@ -407,14 +407,14 @@ class GrowableBuffer:
         if buf < 0:
             _core.check(_core.last_status() or -5, f"reserving {max_bytes} bytes for a buffer")
         self._buf = buf
-        self.ptr = _core.vmm_buffer_ptr(pool.id, buf)
+        self.ptr = _core.vmm_buffer(pool.id, buf)[0]
         self.max_bytes = max_bytes
         if size:
             self.resize(size)
 
     @property
     def size(self) -> int:
-        return _core.vmm_buffer_size(self.pool.id, self._buf)
+        return 0 if self._buf is None else _core.vmm_buffer(self.pool.id, self._buf)[1]
 
     def __len__(self):
         return self.size

@@ -185,7 +185,10 @@ static void pool_stress(void)
     /* Buffers grow in place; migration keeps the address and the data. */
     int buf = ump_vmm_buffer_create(pool, 64 << 20);
     CHECK(buf >= 0);
-    unsigned char *bp = (unsigned char *)ump_vmm_buffer_ptr(pool, buf);
+    uintptr_t bva;
+    uint64_t bsize;
+    CHECK(ump_vmm_buffer_info(pool, buf, &bva, &bsize) == UMP_OK && bsize == 0);
+    unsigned char *bp = (unsigned char *)bva;
     CHECK(ump_vmm_buffer_resize(pool, buf, 3 << 20) == UMP_OK);
     memset(bp, 0x5a, 3 << 20);
     CHECK(ump_vmm_buffer_resize(pool, buf, 40 << 20) == UMP_OK);
