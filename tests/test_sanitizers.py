@@ -47,3 +47,23 @@ def test_stress_under_asan_and_ubsan(tmp_path):
 def test_stress_under_tsan(tmp_path):
     exe = _build(tmp_path, "stress_tsan", ["-fsanitize=thread"])
     _run(exe, 20_000, {"TSAN_OPTIONS": "halt_on_error=1"})
+
+
+def test_extension_in_python_under_valgrind():
+    """Valgrind's memcheck over a Python process using the extension through
+    NumPy's hooks and the VMM pool: no error in ump's code (errors of the
+    dynamic loader and of CPython itself are not ours and are ignored)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        pytest.skip("valgrind is not installed")
+    import sys
+
+    proc = subprocess.run(
+        [valgrind, "--error-limit=no", "--num-callers=40", sys.executable,
+         str(ROOT / "tests" / "valgrind" / "workload.py")],
+        capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONMALLOC": "malloc"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("done"), proc.stderr[-3000:]
+    assert "block of size 4,321 free'd" in proc.stderr  # valgrind saw the deliberate error
+    ours = [b for b in proc.stderr.split("== \n") if "_ucore" in b and ("Invalid" in b or "uninitialised" in b)]
+    assert not ours, ours[0][-3000:]
