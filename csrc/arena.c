@@ -47,7 +47,7 @@ typedef struct chunk {
 } chunk_t;
 
 struct arena {
-    int id, kind, provider, advise_host;
+    int id, kind, provider, flags; /* UMP_ARENA_* */
     pthread_mutex_t lock;
     chunk_t *partial[N_CLASSES]; /* slabs with at least one free slot */
     chunk_t *runs;               /* cached free large runs */
@@ -415,17 +415,17 @@ static arena_t *arena_get(int id)
     return __atomic_load_n(&arenas[id], __ATOMIC_ACQUIRE);
 }
 
-int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int advise_host)
+int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags)
 {
     if (kind <= UMP_KIND_NONE || kind > UMP_KIND_DEVICE || provider < 0 ||
-        provider > UMP_PROVIDER_PINNED)
+        provider > UMP_PROVIDER_PINNED || (flags & ~(UMP_ARENA_ADVISE_HOST | UMP_ARENA_CUPY)))
         return ump__set_status(UMP_ERR_ARG);
     pthread_mutex_lock(&arenas_lock);
     /* Arenas live as long as the process: blocks may outlive disable(), and
      * enabling the same backend again reuses its arena and cached chunks. */
     for (int i = 0; i < n_arenas; i++) {
         arena_t *a = arenas[i];
-        if (a->kind == kind && a->provider == provider && a->advise_host == advise_host) {
+        if (a->kind == kind && a->provider == provider && a->flags == flags) {
             __atomic_store_n(&budgets[kind].cap, cap_bytes, __ATOMIC_RELAXED);
             pthread_mutex_unlock(&arenas_lock);
             return i;
@@ -443,7 +443,7 @@ int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int advise_host
     a->id = n_arenas;
     a->kind = kind;
     a->provider = provider;
-    a->advise_host = advise_host;
+    a->flags = flags;
     __atomic_store_n(&budgets[kind].cap, cap_bytes, __ATOMIC_RELAXED);
     pthread_mutex_init(&a->lock, NULL);
     __atomic_store_n(&arenas[n_arenas], a, __ATOMIC_RELEASE);
@@ -623,7 +623,7 @@ static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
         ump__set_status(status);
         return NULL;
     }
-    if (a->advise_host)
+    if (a->flags & UMP_ARENA_ADVISE_HOST)
         ump__advise_host(mem, bytes);
     c->base = (uintptr_t)mem;
     c->size = bytes;

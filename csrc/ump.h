@@ -75,7 +75,10 @@ int ump_set_numpy_arena(int arena);
 int ump_get_numpy_arena(void);
 
 /* --- arenas -------------------------------------------------------------- */
-int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int advise_host);
+/* Flags of an arena; arenas with the same kind, provider and flags are one. */
+#define UMP_ARENA_ADVISE_HOST 1 /* managed chunks advised to stay on the host */
+#define UMP_ARENA_CUPY 2        /* CuPy's side: its own blocks and statistics */
+int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags);
 int ump_arena_set_cap(int arena, uint64_t cap_bytes);
 void *ump_arena_alloc(int arena, size_t size);
 int ump_arena_free(void *ptr);

@@ -81,8 +81,6 @@ def test_million_operations(gpu_backend):
     assert pending == 0  # every NumPy array CuPy used was released after the GPU finished
 
 
-@pytest.mark.xfail(reason="open defect: after ~400k mixed operations one backend has kept 12-14 "
-                          "NumPy blocks live (pending releases 0); cause not yet found", strict=False)
 def test_statistics_back_to_start_after_stress(gpu_backend):
     errors, _, _, before, after = _stress(gpu_backend)
     assert not errors

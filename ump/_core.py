@@ -25,6 +25,7 @@ KIND_IDS = {name: kind for kind, name in KINDS.items()}
 PROVIDER_HOST, PROVIDER_MANAGED, PROVIDER_PINNED, PROVIDER_DEVICE = 0, 1, 2, 3
 MAX_ARENAS = 8
 ERR_CAP, ERR_INJECTED = -2, -6
+ARENA_ADVISE_HOST, ARENA_CUPY = 1, 2
 ALIGN = 512
 
 lib = ctypes.CDLL(_ucore.__file__)
@@ -179,11 +180,13 @@ class Arena:
     arena with the new cap.
     """
 
-    def __init__(self, kind: str, provider: int, cap: int, advise_host: bool = False):
+    def __init__(self, kind: str, provider: int, cap: int, advise_host: bool = False,
+                 cupy_side: bool = False):
         if cap < 0:
             raise ValueError(f"arena cap must be >= 0 bytes, got {cap}")
         self.kind = kind
-        arena_id = _arena_create(KIND_IDS[kind], provider, cap, int(advise_host))
+        flags = (ARENA_ADVISE_HOST if advise_host else 0) | (ARENA_CUPY if cupy_side else 0)
+        arena_id = _arena_create(KIND_IDS[kind], provider, cap, flags)
         if arena_id < 0:
             check(last_status(), f"creating the {kind} arena")
         self.id = arena_id

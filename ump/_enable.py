@@ -191,7 +191,9 @@ def enable(backend: str = "auto", **options) -> str:
                 else:
                     pool.set_limit(cap)
             else:
-                cupy_arena = _core.Arena(chosen.name, chosen.provider, cap, advise_host=False)
+                # Its own arena even where the chunks are alike: statistics
+                # then tell NumPy's blocks from those CuPy's pool caches.
+                cupy_arena = _core.Arena(chosen.name, chosen.provider, cap, cupy_side=True)
             hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts, pool=pool)
             with cupy.cuda.Device(opts.device):
                 hook.install()
