@@ -115,15 +115,15 @@ int ump_vmm_grant(int pool, int device);
 int ump_vmm_devices(int pool, int *out, int max);
 int ump_vmm_migrate(int pool, uintptr_t ptr, uint64_t bytes, int device);
 int ump_vmm_device_of(int pool, uintptr_t ptr, uint64_t bytes);
-int ump_vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool);
 int ump_vmm_buffer_create(int pool, uint64_t max_bytes);
 int ump_vmm_buffer_destroy(int pool, int buf);
 int ump_vmm_buffer_resize(int pool, int buf, uint64_t bytes);
 int ump_vmm_buffer_info(int pool, int buf, uintptr_t *ptr, uint64_t *size);
 
 /* --- registry ------------------------------------------------------------ */
-/* Kind of the live block holding ptr (UMP_KIND_NONE if none); base/size/arena
- * may be NULL. O(log chunks). */
+/* Kind of the live block holding ptr (UMP_KIND_NONE if none), in an arena or
+ * a VMM pool (whose ids follow the arenas': UMP_MAX_ARENAS + pool);
+ * base/size/arena may be NULL. O(log chunks), then O(log blocks) per pool. */
 int ump_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *arena);
 uint64_t ump_foreign_frees(void);
 

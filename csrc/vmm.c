@@ -153,8 +153,7 @@ typedef struct {
     int nbufs;
     int ndev;
     int devs[MAX_DEVICES];
-    uint64_t limit;
-    ump_vmm_stats_t st;
+    ump_vmm_stats_t st; /* st.limit_bytes is the limit (0: none) */
 } pool_t;
 
 static pool_t pools[UMP_MAX_POOLS];
@@ -437,23 +436,16 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
     if (status != UMP_OK)
         return status;
     while (left) {
-        int64_t i = cache_take(p, left);
+        /* The last slot of done[] takes one fresh handle for all the rest. */
+        int last = nd == 63;
+        int64_t i = last ? -1 : cache_take(p, left);
         int fresh = 0;
-        if (i < 0 && nd == 63) {
-            /* Too many pieces: take one fresh handle for the rest. */
-        } else if (i < 0 && !tried_scavenge) {
-            uint64_t need = (p->st.physical_bytes / p->gran) + left;
-            uint64_t idle = 0;
-            for (size_t j = 0; j < p->nh; j++)
-                if (p->hs[j].ngran && p->hs[j].region == 0 && p->hs[j].busy == 0)
-                    idle += p->hs[j].ngran;
+        if (i < 0 && !tried_scavenge) {
             /* Reuse idle physical memory before asking the driver for more:
              * that keeps what the pool holds close to what it uses. */
-            if (idle || (p->limit && need * p->gran > p->limit)) {
-                tried_scavenge = 1;
-                if (scavenge(p))
-                    continue;
-            }
+            tried_scavenge = 1;
+            if (scavenge(p))
+                continue;
         }
         if (i < 0) {
             /* Halving: a run of k granules gets handles of k/2, k/4, ..., 1
@@ -463,24 +455,22 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
              * be scavenged. One handle per run held 14-21 % more memory
              * than the live blocks in a mixed-size workload; halving 4-7 %,
              * one granule per handle 3-4 % at 2.5 times the mappings. */
-            uint64_t n = (left + 1) / 2;
+            uint64_t n = last ? left : (left + 1) / 2;
             /* Cached handles left now are all larger than the run: release
              * them rather than hold them beside new memory. */
             release_cached(p, n);
-            if (p->limit && p->st.physical_bytes + n * p->gran > p->limit) {
+            uint64_t limit = p->st.limit_bytes;
+            if (limit && p->st.physical_bytes + n * p->gran > limit) {
                 status = UMP_ERR_CAP;
                 goto undo;
             }
             uint64_t h;
             status = ph_create(p, n * p->gran, p->device, &h);
-            /* Out of device memory: what this pool keeps idle may be enough. */
+            /* Out of device memory: the cached handles this run could not
+             * use may make room (idle mappings were scavenged above). */
             if ((status == 2 /* CUDA_ERROR_OUT_OF_MEMORY */ || status == UMP_ERR_NOMEM) &&
-                !tried_scavenge) {
-                tried_scavenge = 1;
-                scavenge(p);
-                release_cached(p, 0);
+                release_cached(p, 0))
                 status = ph_create(p, n * p->gran, p->device, &h);
-            }
             if (status != UMP_OK)
                 goto undo;
             i = handle_new(p, h, n, p->device);
@@ -690,6 +680,14 @@ static int live_insert(pool_t *p, blk_t *b)
     return UMP_OK;
 }
 
+static void untouch(pool_t *p, blk_t *b)
+{
+    uint64_t g0 = b->off / p->gran, g1 = (b->off + b->size - 1) / p->gran;
+    for (uint64_t g = g0; g <= g1; g++)
+        if (--p->gref[g] == 0 && p->main.gh[g] >= 0)
+            p->hs[p->main.gh[g]].busy--;
+}
+
 /* Count a block's granules as touched; map those that are not backed. */
 static int touch(pool_t *p, blk_t *b)
 {
@@ -709,21 +707,9 @@ static int touch(pool_t *p, blk_t *b)
         status = map_run(p, 0, g, e - g);
         g = e;
     }
-    if (status != UMP_OK) {
-        /* Runs mapped before the failing one stay mapped, now idle. */
-        for (uint64_t g = g0; g <= g1; g++)
-            if (--p->gref[g] == 0 && p->main.gh[g] >= 0)
-                p->hs[p->main.gh[g]].busy--;
-    }
+    if (status != UMP_OK)
+        untouch(p, b); /* runs mapped before the failing one stay, idle */
     return status;
-}
-
-static void untouch(pool_t *p, blk_t *b)
-{
-    uint64_t g0 = b->off / p->gran, g1 = (b->off + b->size - 1) / p->gran;
-    for (uint64_t g = g0; g <= g1; g++)
-        if (--p->gref[g] == 0 && p->main.gh[g] >= 0)
-            p->hs[p->main.gh[g]].busy--;
 }
 
 /* After a device-wide synchronisation, free blocks of every stream may be
@@ -808,7 +794,6 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
     p->device = device;
     p->ctx = (void *)ctx;
     p->gran = gran;
-    p->limit = limit;
     p->ndev = 1;
     p->devs[0] = device;
     p->main.ngran = (va_bytes + gran - 1) / gran;
@@ -966,7 +951,7 @@ int ump_vmm_set_limit(int id, uint64_t limit)
     if (!p)
         return fail(UMP_ERR_ARG);
     pthread_mutex_lock(&p->lock);
-    p->limit = p->st.limit_bytes = limit;
+    p->st.limit_bytes = limit;
     if (limit && p->st.physical_bytes > limit && ump__cuda_ready() == UMP_OK) {
         scavenge(p);
         release_cached(p, 0);
@@ -1364,21 +1349,6 @@ UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, i
         pthread_mutex_unlock(&p->lock);
     }
     pthread_mutex_unlock(&pools_lock);
-    return kind;
-}
-
-int ump_vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
-{
-    uintptr_t b = 0;
-    uint64_t s = 0;
-    int id = -1;
-    int kind = ump__vmm_lookup(ptr, &b, &s, &id);
-    if (base)
-        *base = b;
-    if (size)
-        *size = s;
-    if (pool)
-        *pool = id;
     return kind;
 }
 

@@ -83,6 +83,24 @@ def test_handles_are_reused_not_recreated(pool):
         pool.deallocate(p)
 
 
+def test_a_run_of_many_small_cached_handles(pool):
+    """A run that would take more than 63 cached pieces maps 63 of them and
+    one fresh handle for the rest (the transaction records 64 at most)."""
+    ptrs = [pool.allocate(GRAN) for _ in range(70)]  # one 1-granule handle each
+    for p in ptrs:
+        pool.deallocate(p)
+    pool.trim(keep_handles=True)
+    before = pool.statistics()
+    assert before.handles == 70 and before.cached_bytes == 70 * GRAN
+    big = pool.allocate(70 * GRAN)
+    st = pool.statistics()
+    assert st.handles_created == before.handles_created + 1  # 63 cached + 1 fresh of 7 granules
+    assert st.mapped_bytes == 70 * GRAN and st.cached_bytes == 7 * GRAN
+    _fill(big, 70 * GRAN, 4)
+    assert _check(big, 70 * GRAN, 4)
+    pool.deallocate(big)
+
+
 def test_trim_gives_back_everything_free(pool):
     keep = pool.allocate(GRAN)
     ptrs = [pool.allocate(n * MiB) for n in (3, 10, 33)]

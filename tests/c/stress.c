@@ -200,6 +200,18 @@ static void pool_stress(void)
     CHECK(ump_vmm_device_of(pool, (uintptr_t)bp, 40 << 20) == 1);
     CHECK(bp[0] == 0x5a && bp[(40 << 20) - 1] == 0x6b);
     CHECK(ump_vmm_buffer_resize(pool, buf, 1 << 20) == UMP_OK);
+
+    /* A run needing more cached pieces than one mapping records (64). */
+    uintptr_t one[70];
+    for (int i = 0; i < 70; i++)
+        CHECK((one[i] = ump_vmm_alloc(pool, 2 << 20, 3)) != 0);
+    for (int i = 0; i < 70; i++)
+        CHECK(ump_vmm_free(pool, one[i]) == UMP_OK);
+    CHECK(ump_vmm_trim(pool, 1) == UMP_OK);
+    uintptr_t many = ump_vmm_alloc(pool, (uint64_t)140 << 20, 3);
+    CHECK(many != 0);
+    memset((void *)many, 0x3c, (size_t)140 << 20);
+    CHECK(ump_vmm_free(pool, many) == UMP_OK);
     CHECK(ump_vmm_buffer_destroy(pool, buf) == UMP_OK);
     CHECK(ump_vmm_trim(pool, 0) == UMP_OK);
     CHECK(ump_vmm_stats(pool, &st) == UMP_OK && st.physical_bytes == 0);
