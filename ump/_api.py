@@ -7,6 +7,7 @@ import numpy
 from . import _core, _enable
 from ._cupy_hook import GPU_KINDS, _block_of, advice_code
 from ._errors import UmpError
+from ._probe import check_device_index
 
 __all__ = ["kind_of", "statistics", "trim", "asarray", "asnumpy", "prefetch", "advise", "synchronize",
            "migrate"]
@@ -231,18 +232,13 @@ def migrate(array, device: int):
     from . import _vmm
 
     ptr = _address(array)
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise ValueError(f"device must be a non-negative int, got {device!r}")
+    check_device_index(device)
     kind, base, size, _ = _core.lookup_owner(ptr)
     pool = _vmm.pool_of(ptr)
     if pool is None:
         raise UmpError("ump.migrate() moves memory of a VMM pool (backend='device' or ump.VMMPool); "
                        f"this memory is {kind or 'not ump'}'s")
-    if not pool.emulated:
-        count = _vmm._device_count()
-        if device >= count:
-            raise ValueError(f"device {device} does not exist: this machine has {count} CUDA device(s)")
-    pool.migrate(base, size, device)
+    pool.migrate(base, size, device)  # grant() checks that the device exists
     if _is_cupy_array(array) and array.data.device_id != device:
         import cupy
 

@@ -9,7 +9,7 @@ import threading
 
 from . import _core, _cupy_hook, _numpy_hook, _vmm, backends
 from ._errors import UmpError
-from ._probe import probe
+from ._probe import check_device_index, probe
 
 __all__ = ["Options", "enable", "disable", "is_enabled", "enabled", "current", "State"]
 
@@ -60,8 +60,7 @@ class Options:
                 raise ValueError(f"cap as a fraction must be in (0, 1], got {cap}")
             if isinstance(cap, int) and not 0 < cap < 1 << 63:
                 raise ValueError(f"cap must be a positive number of bytes below 2**63, got {cap}")
-        if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < 0:
-            raise ValueError(f"device must be a non-negative int, got {self.device!r}")
+        check_device_index(self.device)
         if self.placement not in _PLACEMENTS:
             raise ValueError(f"placement must be one of {_PLACEMENTS}, got {self.placement!r}")
         if self.sync not in _SYNCS:

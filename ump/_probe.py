@@ -179,6 +179,23 @@ def _probe_gpu() -> tuple[bool, str | None, tuple[DeviceInfo, ...], int | None, 
     return True, None, devices, version, _runtime_version()
 
 
+def check_device_index(device) -> int:
+    """``device`` if it is a non-negative int; else ValueError naming it."""
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise ValueError(f"device must be a non-negative int, got {device!r}")
+    return device
+
+
+def device_info(caps: Capabilities, device) -> DeviceInfo:
+    """The :class:`DeviceInfo` of ``device``; ValueError if it is not a
+    device of this machine."""
+    check_device_index(device)
+    if device >= len(caps.devices):
+        raise ValueError(f"device {device} does not exist: this machine has "
+                         f"{len(caps.devices)} CUDA device(s)")
+    return caps.devices[device]
+
+
 def probe() -> Capabilities:
     """Probe the machine once (cached) and report what ump can use.
 

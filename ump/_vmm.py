@@ -16,6 +16,7 @@ import threading
 
 from . import _core
 from ._errors import OutOfMemoryError, UmpError
+from ._probe import check_device_index, device_info, probe
 
 __all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "pool_of"]
 
@@ -81,19 +82,6 @@ def _driver_call(fn, *args):
     return _call(fn, *args)
 
 
-def _device_count() -> int:
-    from cuda.bindings import driver
-
-    _driver_call(driver.cuInit, 0)
-    return int(_driver_call(driver.cuDeviceGetCount))
-
-
-def _check_device(device, what="device") -> int:
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise ValueError(f"{what} must be a non-negative int, got {device!r}")
-    return device
-
-
 class _Block:
     """Owner of one pool block under a CuPy array: frees it when CuPy lets go.
 
@@ -136,7 +124,7 @@ class VMMPool:
 
     def __init__(self, device: int = 0, *, limit: int | float | None = None,
                  reserve: int | None = None, emulate: bool = False):
-        self.device = _check_device(device)
+        self.device = check_device_index(device)
         self.emulated = bool(emulate)
         if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int)
                                     or not 0 < reserve <= 1 << 48):
@@ -167,15 +155,10 @@ class VMMPool:
     def _open_device(self) -> tuple[int, int]:
         from cuda.bindings import driver
 
-        from ._probe import probe
-
         caps = probe()
         if not caps.gpu:
             raise UmpError(f"a VMM pool needs a CUDA device ({caps.reason})")
-        if self.device >= len(caps.devices):
-            raise ValueError(f"device {self.device} does not exist: this machine has "
-                             f"{len(caps.devices)} CUDA device(s)")
-        info = caps.devices[self.device]
+        info = device_info(caps, self.device)
         if not info.vmm_supported:
             raise UmpError(f"{info.name} (device {self.device}) does not support virtual memory management")
         _core.cuda_load()
@@ -330,13 +313,11 @@ class VMMPool:
         UmpError
             The devices cannot reach each other's memory.
         """
-        _check_device(device)
+        check_device_index(device)
         if not self.emulated and device != self.device:
             from cuda.bindings import driver
 
-            count = _device_count()
-            if device >= count:
-                raise ValueError(f"device {device} does not exist: this machine has {count} CUDA device(s)")
+            device_info(probe(), device)
             for a, b in ((device, self.device), (self.device, device)):
                 if not _driver_call(driver.cuDeviceCanAccessPeer, a, b):
                     raise UmpError(f"device {a} cannot access memory of device {b} "
@@ -363,7 +344,6 @@ class VMMPool:
         keeping its addresses: every device of the pool keeps access, and
         the device is granted access first. Whole physical chunks move, so
         neighbouring small blocks in them move too."""
-        _check_device(device)
         self.grant(device)
         self._synchronize_devices()  # no kernel on any device may use the pages
         _core.check(_core.vmm_migrate(self.id, ptr, size, device),

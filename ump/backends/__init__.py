@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from .._errors import BackendUnavailableError
-from .._probe import Capabilities, DeviceInfo
+from .._probe import Capabilities, DeviceInfo, check_device_index, device_info
 
 __all__ = ["Backend", "AUTO_ORDER", "get", "select", "names"]
 
@@ -107,14 +107,8 @@ def select(name: str, caps: Capabilities, device: int = 0) -> Backend:
     BackendUnavailableError
         The machine cannot run the backend; the message says why.
     """
-    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
-        raise ValueError(f"device must be a non-negative int, got {device!r}")
-    info = None
-    if caps.gpu:
-        if device >= len(caps.devices):
-            raise ValueError(f"device {device} does not exist: this machine has "
-                             f"{len(caps.devices)} CUDA device(s)")
-        info = caps.devices[device]
+    check_device_index(device)
+    info = device_info(caps, device) if caps.gpu else None
     if name == "auto":
         if not caps.gpu:
             return HOST
