@@ -16,7 +16,7 @@ import threading
 
 from . import _core
 from ._errors import OutOfMemoryError, UmpError
-from ._probe import check_device_index, device_info, probe
+from ._probe import _call, check_device_index, device_info, probe
 
 __all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "pool_of"]
 
@@ -74,12 +74,6 @@ def _cupy():
 
         cupy = import_cupy(sam=False)
     return cupy
-
-
-def _driver_call(fn, *args):
-    from ._probe import _call
-
-    return _call(fn, *args)
 
 
 class _Block:
@@ -162,8 +156,8 @@ class VMMPool:
         if not info.vmm_supported:
             raise UmpError(f"{info.name} (device {self.device}) does not support virtual memory management")
         _core.cuda_load()
-        dev = _driver_call(driver.cuDeviceGet, self.device)
-        ctx = _driver_call(driver.cuDevicePrimaryCtxRetain, dev)
+        dev = _call(driver.cuDeviceGet, self.device)
+        ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
         return int(ctx), info.total_memory
 
     def _limit_bytes(self, limit) -> int:
@@ -319,7 +313,7 @@ class VMMPool:
 
             device_info(probe(), device)
             for a, b in ((device, self.device), (self.device, device)):
-                if not _driver_call(driver.cuDeviceCanAccessPeer, a, b):
+                if not _call(driver.cuDeviceCanAccessPeer, a, b):
                     raise UmpError(f"device {a} cannot access memory of device {b} "
                                    "(cuDeviceCanAccessPeer is 0)")
         _core.check(_core.vmm_grant(self.id, device), f"granting device {device} access to the pool")
@@ -330,14 +324,14 @@ class VMMPool:
         from cuda.bindings import driver
 
         for d in self.devices:
-            dev = _driver_call(driver.cuDeviceGet, d)
-            ctx = _driver_call(driver.cuDevicePrimaryCtxRetain, dev)
-            _driver_call(driver.cuCtxPushCurrent, ctx)
+            dev = _call(driver.cuDeviceGet, d)
+            ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
+            _call(driver.cuCtxPushCurrent, ctx)
             try:
-                _driver_call(driver.cuCtxSynchronize)
+                _call(driver.cuCtxSynchronize)
             finally:
-                _driver_call(driver.cuCtxPopCurrent)
-                _driver_call(driver.cuDevicePrimaryCtxRelease, dev)
+                _call(driver.cuCtxPopCurrent)
+                _call(driver.cuDevicePrimaryCtxRelease, dev)
 
     def migrate(self, ptr: int, size: int, device: int) -> None:
         """Move the physical memory under ``[ptr, ptr+size)`` to ``device``,
