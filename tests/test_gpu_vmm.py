@@ -21,7 +21,7 @@ MiB = 1 << 20
 def cupy(gpu_caps):
     if not gpu_caps.devices[0].vmm_supported:
         pytest.skip(f"{gpu_caps.devices[0].name} does not support VMM")
-    from ump._cupy_hook import import_cupy
+    from ump._cupy_compat import import_cupy
 
     return import_cupy(sam=False)  # CuPy's own UMP path off, as ump.enable() imports it
 
@@ -162,8 +162,10 @@ def test_enable_device_backend(cupy, gpu_caps):
     assert ump.kind_of(h) == "pinned"
     np.testing.assert_array_equal(h[1:], np.arange(1, 6 << 20, dtype=np.float32) * 2)
     assert ump.asnumpy(ump.asarray(a[::2])).tolist()[:3] == [-1.0, 2.0, 4.0]  # strided: CuPy's path
-    with pytest.raises(TypeError):
-        np.asarray(g)  # device memory: no host view, as in stock CuPy
+    c = np.asarray(g)  # device memory: no host view, so a copy after the wait
+    assert c.ctypes.data != g.data.ptr and c[5] == 10.0
+    with pytest.raises(ValueError, match="device memory"):
+        np.asarray(g, copy=False)
     st = ump.statistics()["pool"]
     assert st.used_bytes >= 24 << 20  # g
     del g

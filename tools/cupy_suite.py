@@ -9,38 +9,29 @@ beside it (its pytest settings: strict markers, warning filters).
     python tools/cupy_suite.py --compare STOCK.xml UMP.xml
 
 The "stock" run is CuPy as shipped (CUPY_ENABLE_UMP unset: its own UMP path
-fails on GPUs without HMM/ATS). The "ump" run turns off the UMP recipe in
-CuPy's tests/conftest.py, sets CUPY_ENABLE_UMP=1 and enables ump through
-tools/ump_cupy_plugin.py instead.
+fails on GPUs without HMM/ATS). The "ump" run sets CUPY_ENABLE_UMP=1 and adds
+ump's packaged pytest plugin (``-p ump.pytest_plugin --ump=BACKEND``) to
+CuPy's unchanged test suite; UMP_CUPY_SUITE_CAP (default 4G) is each test
+process's budget, so that -n workers together stay within the GPU.
 Each run writes JUnit XML; the script prints both counts and every test whose
-outcome differs.
+outcome differs. XML files may be gzipped (the stored baselines are).
 """
 
 from __future__ import annotations
 
+import gzip
 import os
 import pathlib
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-RECIPE = "if int(os.environ.get('CUPY_ENABLE_UMP', 0)) != 0:\n    # Make sure malloc"
-REPLACED = "if False:  # ump.enable() instead: tools/ump_cupy_plugin.py\n    # Make sure malloc"
-
-
-def patch_conftest(tests: pathlib.Path) -> None:
-    conftest = tests / "conftest.py"
-    text = conftest.read_text()
-    if REPLACED in text:
-        return
-    if RECIPE not in text:
-        raise SystemExit(f"{conftest}: CuPy's UMP recipe not found; is this CuPy v14.2.0?")
-    conftest.write_text(text.replace(RECIPE, REPLACED))
-
-
 def outcomes(xml_path: pathlib.Path) -> dict[str, str]:
     result = {}
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
+    opener = gzip.open if xml_path.suffix == ".gz" else open
+    with opener(xml_path, "rb") as f:
+        root = ET.parse(f).getroot()
+    for case in root.iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         kinds = {child.tag for child in case}
         result[name] = ("failed" if kinds & {"failure", "error"} else
@@ -67,17 +58,16 @@ def main(argv):
         # Without it pytest would take the settings of some enclosing project.
         raise SystemExit(f"{tests.parent}/pyproject.toml is missing: put CuPy's (v14.2.0) there, "
                          "its [tool.pytest.ini_options] are how CuPy runs its tests")
-    patch_conftest(tests)
     wanted = os.environ.get("UMP_SUITE_RUNS", "stock,ump").split(",")
     runs = {}
-    tools = str(pathlib.Path(__file__).resolve().parent)
-    for label, extra_env, plugin in (("stock", {}, []), ("ump", {"CUPY_ENABLE_UMP": "1"}, ["-p", "ump_cupy_plugin"])):
+    backend = os.environ.get("UMP_SUITE_BACKEND", "auto")
+    cap = os.environ.get("UMP_CUPY_SUITE_CAP", "4G")
+    ump_args = ["-p", "ump.pytest_plugin", f"--ump={backend}", f"--ump-cap={cap}"]
+    for label, extra_env, plugin in (("stock", {}, []), ("ump", {"CUPY_ENABLE_UMP": "1"}, ump_args)):
         if label not in wanted:
             continue
         env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
         env.update(extra_env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tools, env.get("PYTHONPATH")]))
-        backend = os.environ.get("UMP_SUITE_BACKEND", "auto")
         name = label if label == "stock" or backend == "auto" else f"{label}-{backend}"
         xml = out / f"cupy-suite-{name}.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, f"--junitxml={xml}", *args]

@@ -45,6 +45,24 @@ def info(out=sys.stdout) -> int:
     return 0
 
 
+def _run(parser, args) -> int:
+    from . import _launch
+
+    if args.module is None and not args.args:
+        parser.error("run: name a script or -m MODULE")
+    try:
+        backend, options = _launch.settings({k: getattr(args, k) for k in
+                                             ("backend", "cap", "headroom", "placement", "sync", "device")})
+        _launch.start(backend, options)
+    except (ValueError, TypeError, UmpError) as err:
+        parser.error(f"run: {err}")
+    if args.module is not None:
+        _launch.run(module=args.module, args=args.args)
+    else:
+        _launch.run(script=args.args[0], args=args.args[1:])
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ump")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,7 +78,22 @@ def main(argv=None) -> int:
     bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag")
     bench.add_argument("--rounds", type=int, default=1,
                        help="run every configuration this many times, interleaved (spread across processes)")
+    run = sub.add_parser(
+        "run", help="run a program with ump enabled: python -m ump run [options] script.py|-m module [args]",
+        description="Enable ump, then run a script or module as __main__ (like python -m cProfile). "
+                    "Options not given come from UMP_BACKEND, UMP_CAP, UMP_HEADROOM, UMP_PLACEMENT, "
+                    "UMP_SYNC, UMP_DEVICE; CUPY_ENABLE_UMP is set to 1 if unset.")
+    run.add_argument("--backend", help="auto (default), system, managed, pinned, device or host")
+    run.add_argument("--cap", help="budget: bytes (4G, 512MiB) or a fraction of free device memory")
+    run.add_argument("--headroom", help="device memory left to others (bytes, 1G)")
+    run.add_argument("--placement", choices=("auto", "host", "migrate"))
+    run.add_argument("--sync", choices=("device", "stream"))
+    run.add_argument("--device", help="CUDA device index")
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script and its arguments")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        return _run(parser, args)
     if args.command == "info":
         return info()
     if args.command == "bench":

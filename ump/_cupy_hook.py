@@ -1,38 +1,42 @@
-"""CuPy's side: ump's arena as CuPy's allocator, and the zero-copy paths.
+"""CuPy's side while ump is enabled: its allocator, and every way another
+library or the host reaches a CuPy array's memory.
 
-CuPy's built-in UMP path (``CUPY_ENABLE_UMP=1``) is gated on pageable memory
-access and then asserts, so on every machine without SAM it breaks
-``cupy.array``. ump therefore imports CuPy with that path off and supplies
-the zero-copy conversions itself, the same way on every machine:
+The coherence rule (docs/guide.md, "Coherence"): **host code never sees ump
+memory before the GPU work queued on it has finished**, and **every consumer
+gets a device type it accepts**. CuPy does not record which stream wrote an
+array, so every export first waits for the device (``sync="device"``, the
+default) or for the stream the caller names (``sync="stream"``):
 
 - NumPy -> CuPy: ``cupy._core.array`` (behind ``cupy.array``/``asarray``)
   wraps a NumPy array whose memory is a live GPU-visible ump block as a CuPy
-  array at the same address; ``copy=True`` copies on the GPU.
-- CuPy -> NumPy: ``cupy.ndarray.get`` (behind ``cupy.asnumpy``) and
-  ``cupy.ndarray.__array_interface__`` (behind ``numpy.asarray``) return a
-  NumPy view of the same memory, after the GPU work is finished.
-
-Anything else (lists, memory ump does not own, layouts CuPy cannot take)
-goes through CuPy's own code and is copied as usual.
+  array at the same address. A dtype change is NumPy's cast on the host, as
+  in stock CuPy, into a new ump block that CuPy then shares.
+- CuPy -> host: ``get`` (behind ``cupy.asnumpy``, ``tolist``, ``item``,
+  printing, pickling), ``__array_interface__`` and ``__array__`` (behind
+  ``numpy.asarray``/``numpy.array``), ``__buffer__`` (``memoryview``,
+  Python >= 3.12), and ``__dlpack__`` asked for the CPU
+  (``numpy.from_dlpack``) share host-visible memory after the wait, and copy
+  device memory after it.
+- CuPy -> GPU libraries: ``__cuda_array_interface__``, ``__dlpack__`` with a
+  stream, ``toDlpack`` wait likewise, then export as CuPy does, except that
+  managed memory is reported as ``kDLCUDA`` (PyTorch and JAX refuse
+  ``kDLCUDAManaged``; the memory is device-accessible either way).
 """
 
 from __future__ import annotations
 
-import collections
-import os
 import sys
-import threading
+import time
 
 import numpy
 
 from . import _core
-from ._errors import OutOfMemoryError, UmpError
+from ._cupy_alloc import Lease, ReleaseQueue, UnifiedUpstream
+from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, out_of_memory_error,
+                           set_capsule_device)
+from ._placement import Placement
 
-__all__ = ["import_cupy", "CupyHook", "GPU_KINDS", "advice_code"]
-
-#: What migrating managed memory to the GPU and back costs, per byte: 21 ms
-#: and 109 ms per GiB measured on an H200 over PCIe (docs/backends.md).
-MIGRATION_SECONDS_PER_BYTE = 0.130 / 2**30
+__all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
 
 #: Kinds whose blocks a kernel can use at their host address.
 GPU_KINDS = frozenset({"system", "managed", "pinned"})
@@ -42,49 +46,6 @@ _ADVICE = {
     "preferred_location": 3, "unset_preferred_location": 4,
     "accessed_by": 5, "unset_accessed_by": 6,
 }
-
-
-_imported_by_ump = False
-
-
-def _builtin_ump_active(cupy) -> bool:
-    """Whether CuPy was imported with its UMP path on: only then does it give
-    plain host memory a device id (cupy/cuda/memory.pyx, UnownedMemory)."""
-    import ctypes
-
-    buf = ctypes.create_string_buffer(512)
-    mem = cupy.cuda.memory.UnownedMemory(ctypes.addressof(buf), len(buf), buf)
-    return mem.device_id >= 0
-
-
-def import_cupy(sam: bool):
-    """Import CuPy for ump, with CuPy's own UMP path off.
-
-    Raises
-    ------
-    UmpError
-        CuPy was already imported with ``CUPY_ENABLE_UMP=1`` on a machine
-        without SAM, where its built-in path raises AssertionError.
-    """
-    global _imported_by_ump
-    if "cupy" in sys.modules:
-        cupy = sys.modules["cupy"]
-        if not (_imported_by_ump or sam) and _builtin_ump_active(cupy):
-            raise UmpError(
-                "CuPy was imported with CUPY_ENABLE_UMP=1 before ump.enable(); on a GPU "
-                "without HMM/ATS CuPy's built-in UMP path fails (AssertionError in "
-                "cupy.array). Call ump.enable() before importing cupy."
-            )
-        return cupy
-    saved = os.environ.pop("CUPY_ENABLE_UMP", None)
-    try:
-        import cupy
-
-        _imported_by_ump = True
-    finally:
-        if saved is not None:
-            os.environ["CUPY_ENABLE_UMP"] = saved
-    return cupy
 
 
 def _extent(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
@@ -120,44 +81,8 @@ def _layout_ok(a, order) -> bool:
             "A": flags.c_contiguous or flags.f_contiguous}.get(str(order).upper(), False)
 
 
-class _Lease:
-    """Owner of a CuPy view of NumPy memory. When CuPy drops it, a kernel
-    that uses the memory may still be queued; the NumPy array is kept until
-    an event recorded on the current stream has passed, so NumPy cannot free
-    the block and hand it out again under the kernel."""
-
-    __slots__ = ("array", "hook")
-
-    def __init__(self, array, hook):
-        self.array = array
-        self.hook = hook
-
-    def __del__(self):
-        hook = self.hook
-        try:
-            hook.defer(self.array)
-        except Exception:  # interpreter shutdown: nothing runs any more
-            pass
-
-
-class _Chunk:
-    """Owner of a block CuPy's pool took from the arena."""
-
-    __slots__ = ("ptr", "runtime")
-
-    def __init__(self, ptr, runtime):
-        self.ptr = ptr
-        self.runtime = runtime
-
-    def __del__(self):
-        # CuPy's pool lets go of a block only in free_all_blocks(), and
-        # assumes the free synchronises like cudaFree: a kernel may still
-        # use it, and NumPy could be handed the block next.
-        try:
-            self.runtime.deviceSynchronize()
-        except Exception:
-            pass
-        _core._arena_free(self.ptr)
+def _shareable_dtype(dtype) -> bool:
+    return dtype.kind in "biufc" and dtype.isnative and dtype.char not in "gG"
 
 
 class _Export:
@@ -173,124 +98,43 @@ class _Export:
 class CupyHook:
     """Everything ump changes in CuPy while enabled, and how to undo it."""
 
-    def __init__(self, cupy, backend, arena, options, pool=None):
+    def __init__(self, cupy, backend, arena, options, headroom: int, pool=None, pool_for=None):
         self.cupy = cupy
-        self.backend = backend
-        self.arena = arena
-        self.options = options
         self.device = options.device
+        self.pool_for = pool_for  # backend "device": the VMM pool of another device
+        self.backend = backend
+        self.options = options
+        self.release = ReleaseQueue(cupy)
+        self.placement = Placement(cupy, options, headroom)
+        self.out_of_memory = out_of_memory_error(cupy)
         # backend "device": a VMM pool, and NumPy <-> CuPy are copies
         self.copies = pool is not None
-        self.pool = pool if pool is not None else cupy.cuda.MemoryPool(self._upstream)
-        self._pending = collections.deque()
-        self._drain_lock = threading.Lock()
-        self._placement = {}  # (base, size) -> [on_gpu, heavy, start event]
-        self._saved = None
-
-    # --- allocator ----------------------------------------------------------
-    # CuPy calls pool.malloc directly (set_allocator), so a CuPy allocation
-    # costs what it costs with CuPy's default pool; only a pool miss reaches
-    # the arena here.
-    def _upstream(self, size):
-        cupy = self.cupy
-        ptr = _core._arena_alloc(self.arena.id, size)
-        if not ptr:
-            # What CuPy's pool does on an allocation error, done here so the
-            # final error is ump's: release NumPy arrays whose kernels are
-            # done and the blocks the pool caches (this runs outside the
-            # pool's lock, as CuPy's own retry does), then try once more.
-            self.drain(block=True)
-            self.pool.free_all_blocks()
-            ptr = _core._arena_alloc(self.arena.id, size)
-        if not ptr:
-            cap = self.arena.statistics().cap_bytes
-            raise OutOfMemoryError(
-                f"CuPy asked for {size} bytes and the {self.backend.name} backend's cap of "
-                f"{cap} bytes is reached (set it with ump.enable(cap=...))",
-                _core.error_name(_core.last_status() or _core.ERR_CAP),
-            )
-        mem = cupy.cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cupy.cuda.runtime), self.device)
-        return cupy.cuda.memory.MemoryPointer(mem, 0)
-
-    # --- deferred release ---------------------------------------------------
-    def defer(self, array):
-        event = self.cupy.cuda.Event(block=False, disable_timing=True)
-        event.record()
-        self._pending.append((event, array))
-        if len(self._pending) > 4096:
-            self.drain(block=True)
+        if pool is None:
+            upstream = UnifiedUpstream(cupy, arena, backend.name, self.release, self.out_of_memory,
+                                       spill=backend.spills_to_device)
+            pool = upstream.pool = cupy.cuda.MemoryPool(upstream)
+        self.pool = pool
+        self._patches = None
+        self._original = {}
+        self._saved_allocator = None
 
     def drain(self, block=False):
-        """Let go of NumPy arrays whose last kernel has finished."""
-        if not self._drain_lock.acquire(blocking=block):
-            return  # another thread is draining
-        try:
-            pending = self._pending
-            while pending:
-                event, _ = pending[0]
-                if not block and not event.done:
-                    break
-                event.synchronize()
-                pending.popleft()
-        finally:
-            self._drain_lock.release()
+        self.release.drain(block)
 
-    def synchronize(self, stream=None):
+    # --- waiting for the GPU -------------------------------------------------
+    def synchronize(self, stream=None, device=None):
+        """Wait for what a reader must not overtake: the device's work (or
+        ``stream``'s with ``sync="stream"``); then release NumPy memory whose
+        kernels are done."""
+        cuda = self.cupy.cuda
         if stream is not None and self.options.sync == "stream":
             stream.synchronize()
+        elif device is None or device == cuda.runtime.getDevice():
+            cuda.runtime.deviceSynchronize()
         else:
-            self.cupy.cuda.runtime.deviceSynchronize()
-        self.drain()
-
-    # --- placement (managed memory) ----------------------------------------
-    # Per block (base, size) of the NumPy arena: [on_gpu, heavy, start event].
-    # A block starts host-resident: kernels reach it over the link, which is
-    # fastest for work that touches it once. The GPU time between a hand-off
-    # and the next host export is measured; once it exceeds what migrating the
-    # block there and back would have cost, the block is "heavy" and later
-    # hand-offs migrate it (a ski-rental rule). The state is per block, not
-    # per array, so a loop that reallocates the same array learns too.
-    def on_handoff(self, kind, base, size):
-        """A NumPy array's block is handed to CuPy."""
-        opts = self.options
-        if kind != "managed" or size < opts.prefetch_min or opts.placement == "host":
-            return
-        state = self._placement.get((base, size))
-        if state is None:
-            if len(self._placement) >= 4096:
-                self._placement.clear()
-            state = self._placement[(base, size)] = [False, False, None]
-        cupy = self.cupy
-        if opts.placement == "migrate" or state[1]:
-            if not state[0]:
-                _core.prefetch(base, size, self.device, cupy.cuda.get_current_stream().ptr)
-                state[0] = True
-        elif state[2] is None:
-            state[2] = cupy.cuda.Event()
-            state[2].record()
-
-    def on_host_export(self, kind, base, size):
-        """A block goes back to the host: learn from the GPU time it took, and
-        bring it back if ump migrated it."""
-        if kind != "managed":
-            return
-        state = self._placement.get((base, size))
-        if state is None:
-            return
-        cupy = self.cupy
-        stream = cupy.cuda.get_current_stream()
-        if state[2] is not None:
-            end = cupy.cuda.Event()
-            end.record(stream)
-            end.synchronize()
-            gpu_seconds = cupy.cuda.get_elapsed_time(state[2], end) / 1e3
-            state[2] = None
-            if gpu_seconds > size * MIGRATION_SECONDS_PER_BYTE:
-                state[1] = True
-        if state[0]:
-            _core.prefetch(base, size, -1, stream.ptr)
-            stream.synchronize()
-            state[0] = False
+            with cuda.Device(device):
+                cuda.runtime.deviceSynchronize()
+        self.release.drain()
 
     # --- NumPy -> CuPy ------------------------------------------------------
     def wrap_host(self, a):
@@ -298,7 +142,7 @@ class CupyHook:
         if a.size == 0 or not a.flags.writeable:
             return None
         dtype = a.dtype
-        if dtype.kind not in "biufc" or not dtype.isnative or dtype.char in "gG":
+        if not _shareable_dtype(dtype):
             return None
         ptr = a.__array_interface__["data"][0]
         if ptr % dtype.itemsize or any(s % dtype.itemsize for s in a.strides):
@@ -307,32 +151,38 @@ class CupyHook:
         if found is None:
             return None
         kind, base, size, lo, hi = found
-        self.drain()
-        self.on_handoff(kind, base, size)
-        cupy = self.cupy
-        mem = cupy.cuda.memory.UnownedMemory(lo, hi - lo, _Lease(a, self), self.device)
-        memptr = cupy.cuda.memory.MemoryPointer(mem, ptr - lo)
-        return cupy.ndarray(a.shape, dtype, memptr, a.strides)
+        self.release.drain()
+        self.placement.on_handoff(kind, base, size)
+        cuda = self.cupy.cuda
+        mem = cuda.memory.UnownedMemory(lo, hi - lo, Lease(a, self.release), cuda.runtime.getDevice())
+        memptr = cuda.memory.MemoryPointer(mem, ptr - lo)
+        return self.cupy.ndarray(a.shape, dtype, memptr, a.strides)
 
     def array(self, obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
         """Stands in for ``cupy._core.array``."""
-        original = self._saved["array"]
-        if isinstance(obj, numpy.ndarray) and self.copies:
-            # A host array always needs a copy here, whatever `copy` says.
-            if ndmin <= obj.ndim and (dtype is None or numpy.dtype(dtype) == obj.dtype):
-                out = self.copy_in(obj, order)
-                if out is not None:
-                    return out
-        elif isinstance(obj, numpy.ndarray):
-            shared = self.wrap_host(obj)
-            if shared is not None:
-                if (copy is not True and ndmin <= shared.ndim
-                        and (dtype is None or numpy.dtype(dtype) == shared.dtype)
-                        and _layout_ok(shared, order)):
-                    return shared  # the common case: nothing for CuPy to apply
-                # dtype, order, ndmin and copy=True are CuPy's to apply to a
-                # CuPy array: a view where it can, else a copy on the GPU.
-                return original(shared, dtype, copy, order, subok, ndmin, blocking)
+        original = self._original["array"]
+        if isinstance(obj, numpy.ndarray):
+            if dtype is not None and numpy.dtype(dtype) != obj.dtype and copy is not False:
+                # Stock CuPy casts with NumPy on the host; so does ump, into
+                # a new block that CuPy can share (out-of-range float to int
+                # casts differ between NumPy and the GPU).
+                obj, copy = numpy.array(obj, dtype=dtype, order=order, copy=True), None
+                dtype = None
+            if self.copies:
+                # A host array always needs a copy here, whatever `copy` says.
+                if ndmin <= obj.ndim and dtype is None:
+                    out = self.copy_in(obj, order)
+                    if out is not None:
+                        return out
+            else:
+                shared = self.wrap_host(obj)
+                if shared is not None:
+                    if (copy is not True and ndmin <= shared.ndim and dtype is None
+                            and _layout_ok(shared, order)):
+                        return shared  # the common case: nothing for CuPy to apply
+                    # order, ndmin and copy=True are CuPy's to apply to a CuPy
+                    # array: a view where it can, else a copy on the GPU.
+                    return original(shared, dtype, copy, order, subok, ndmin, blocking)
         return original(obj, dtype, copy, order, subok, ndmin, blocking)
 
     def copy_in(self, a, order):
@@ -341,7 +191,7 @@ class CupyHook:
         it into a staging buffer). None where CuPy's own path must run."""
         dtype = a.dtype
         if (a.size == 0 or not a.flags.c_contiguous or not _layout_ok(a, order)
-                or dtype.kind not in "biufc" or not dtype.isnative or dtype.char in "gG"):
+                or not _shareable_dtype(dtype)):
             return None
         ptr = a.__array_interface__["data"][0]
         if _block_of(ptr, a.shape, a.strides, dtype.itemsize, kinds=("pinned",)) is None:
@@ -353,17 +203,25 @@ class CupyHook:
         stream.synchronize()  # the caller may write to `a` as soon as we return
         return out
 
-    # --- CuPy -> NumPy ------------------------------------------------------
-    def interface(self, g):
-        """The ``__array_interface__`` of a CuPy array in host-visible ump
-        memory, or None."""
+    # --- CuPy -> host -------------------------------------------------------
+    def export(self, g, sync=True, stream=None):
+        """The array interface of ``g`` for the host, once the GPU is done
+        with it (and ump brought it back if ump had migrated it); None if
+        ``g`` is not in host-visible ump memory (nothing waited for then)."""
         if g.size == 0:
             return None
         ptr = g.data.ptr
         found = _block_of(ptr, g.shape, g.strides, g.dtype.itemsize)
         if found is None:
             return None
-        return found, {
+        kind, base, size, _, _ = found
+        waited = None
+        if sync:
+            start = time.perf_counter()
+            self.synchronize(stream, g.data.device_id)
+            waited = time.perf_counter() - start
+        self.placement.on_host_export(kind, base, size, waited)
+        return {
             "version": 3,
             "shape": g.shape,
             "typestr": g.dtype.str,
@@ -372,72 +230,148 @@ class CupyHook:
             "strides": g.strides,
         }
 
-    def export(self, g, sync=True, stream=None):
-        """The array interface of ``g`` for the host, once the GPU is done
-        with it (and ump brought it back if ump had migrated it); None if
-        ``g`` is not in host-visible ump memory."""
-        got = self.interface(g)
-        if got is None:
-            return None
-        (kind, base, size, _, _), iface = got
-        if sync:
-            self.synchronize(stream)
-        self.on_host_export(kind, base, size)
-        return iface
-
     def host_view(self, g, sync=True, stream=None):
+        """A NumPy array over ``g``'s memory after the wait, or None."""
         iface = self.export(g, sync, stream)
         return None if iface is None else numpy.asarray(_Export(iface, g))
 
     def get(self, g, stream=None, order="C", out=None, blocking=True):
         """Stands in for ``cupy.ndarray.get``."""
-        if out is None:
-            if _layout_ok(g, order):
-                view = self.host_view(g, sync=blocking, stream=stream)
-                if view is not None:
-                    return view
-        return self._saved["get"](g, stream=stream, order=order, out=out, blocking=blocking)
+        if out is None and _layout_ok(g, order):
+            view = self.host_view(g, sync=blocking, stream=stream)
+            if view is not None:
+                return view
+        if blocking:
+            # CuPy copies on `stream` (or the current one) only: a kernel
+            # another stream queued on the array must finish first.
+            self.synchronize(stream, g.data.device_id)
+        return self._original["get"](g, stream=stream, order=order, out=out, blocking=blocking)
+
+    def host_array(self, g, dtype=None, copy=None):
+        """``numpy.asarray(g)`` under ump: shared where the memory is
+        host-visible, else a copy; after the wait either way."""
+        out = self.host_view(g)
+        shared = out is not None
+        if not shared:
+            if copy is False:
+                raise ValueError("this CuPy array is in device memory: NumPy can only get a copy of it "
+                                 "(copy=False was asked for)")
+            out = self.get(g)  # a copy, after the wait
+        if dtype is not None and numpy.dtype(dtype) != out.dtype:
+            return out.astype(dtype)
+        return out.copy() if copy is True and shared else out
+
+    # --- CuPy -> other libraries --------------------------------------------
+    def dlpack(self, g, stream=None, max_version=None, dl_device=None, copy=None):
+        """Stands in for ``cupy.ndarray.__dlpack__``.
+
+        A consumer on a GPU names its stream (PyTorch, JAX, CuPy do) and gets
+        ``kDLCUDA``, the type ``__dlpack_device__`` reports. One that names
+        the CPU, or neither a stream nor a device (``numpy.from_dlpack``), is
+        a host consumer: it gets host-visible memory as ``kDLCPU`` at the
+        same address after the wait, a host copy if it asks for one, and
+        device memory as CuPy exports it (NumPy refuses ``kDLCUDA``)."""
+        kwargs = {} if max_version is None else {"max_version": max_version}
+        original = self._original["__dlpack__"]
+        to_cpu = dl_device is not None and dl_device[0] == KDL_CPU
+        if to_cpu or (dl_device is None and stream is None):
+            view = self.host_view(g)
+            if view is not None:
+                if copy is True:  # NumPy flags the copy only in versioned capsules
+                    return view.__dlpack__(copy=True, **kwargs) if kwargs else view.copy().__dlpack__()
+                return view.__dlpack__(**kwargs)
+            if to_cpu or copy is True:
+                self.synchronize(device=g.data.device_id)
+                return original(g, dl_device=(KDL_CPU, 0), copy=copy, **kwargs)
+        managed_asked = dl_device is not None and dl_device[0] == KDL_CUDA_MANAGED
+        if managed_asked:
+            dl_device = None
+        self.synchronize(device=g.data.device_id)
+        capsule = original(g, stream=stream, dl_device=dl_device, copy=copy, **kwargs)
+        return capsule if managed_asked else self.cuda_capsule(g, capsule)
+
+    def cuda_capsule(self, g, capsule):
+        """``capsule`` of ``g``, with managed memory reported as ``kDLCUDA``."""
+        if self._original["__dlpack_device__"](g)[0] == KDL_CUDA_MANAGED:
+            set_capsule_device(capsule, KDL_CUDA)
+        return capsule
+
+    def dlpack_device(self, g):
+        kind, device = self._original["__dlpack_device__"](g)
+        return (KDL_CUDA, device) if kind == KDL_CUDA_MANAGED else (kind, device)
 
     # --- install / uninstall -----------------------------------------------
     def install(self):
-        cupy = self.cupy
-        hook = self
-        saved = {
-            "allocator": cupy.cuda.get_allocator(),
-            "array": cupy._core.array,
-            "get": cupy.ndarray.get,
-            # class attributes ump sets on cupy.ndarray, as they were
-            "class": {name: cupy.ndarray.__dict__.get(name)
-                      for name in ("get", "__array_interface__")},
-        }
+        cupy, hook = self.cupy, self
+        nd = cupy.ndarray
+        original = self._original
+        original.update(array=cupy._core.array, get=nd.get, __dlpack__=nd.__dlpack__,
+                        __dlpack_device__=nd.__dlpack_device__, toDlpack=nd.toDlpack)
+        cai = nd.__cuda_array_interface__
 
         def get(self, stream=None, order="C", out=None, blocking=True):
             return hook.get(self, stream=stream, order=order, out=out, blocking=blocking)
 
-        get.__doc__ = saved["get"].__doc__
-
         def array_interface(self):
             iface = hook.export(self)
             if iface is None:
-                raise AttributeError(
-                    "__array_interface__: this CuPy array is not in host-visible ump memory")
+                raise AttributeError("__array_interface__: this CuPy array is not in host-visible "
+                                     "ump memory")
             return iface
 
-        self._saved = saved
-        cupy.cuda.set_allocator(self.pool.malloc)
-        cupy._core.array = self.array
-        cupy.ndarray.get = get
-        cupy.ndarray.__array_interface__ = property(array_interface)
+        def array_(self, dtype=None, copy=None):
+            return hook.host_array(self, dtype, copy)
+
+        def cuda_array_interface(self):
+            hook.synchronize(device=self.data.device_id)
+            return cai.__get__(self)
+
+        def dlpack(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+            return hook.dlpack(self, stream=stream, max_version=max_version, dl_device=dl_device,
+                               copy=copy)
+
+        def dlpack_device(self):
+            return hook.dlpack_device(self)
+
+        def to_dlpack(self):
+            hook.synchronize(device=self.data.device_id)
+            return hook.cuda_capsule(self, original["toDlpack"](self))
+
+        for fn, like in ((get, original["get"]), (dlpack, original["__dlpack__"]),
+                         (to_dlpack, original["toDlpack"])):
+            fn.__doc__ = like.__doc__
+
+        self._saved_allocator = cupy.cuda.get_allocator()
+        patches = Patches()
+        patches.set(cupy._core, "array", self.array)
+        for name, value in (("get", get), ("__array_interface__", property(array_interface)),
+                            ("__array__", array_), ("__cuda_array_interface__", property(cuda_array_interface)),
+                            ("__dlpack__", dlpack), ("__dlpack_device__", dlpack_device),
+                            ("toDlpack", to_dlpack)):
+            patches.set(nd, name, value)
+        if sys.version_info >= (3, 12):
+            def buffer(self, flags):
+                view = hook.host_view(self)
+                if view is None:
+                    raise BufferError("this CuPy array is in device memory, which the host cannot "
+                                      "read in place: use cupy.asnumpy()")
+                return memoryview(view)
+
+            patches.set(nd, "__buffer__", buffer)
+        self._patches = patches
+        cupy.cuda.set_allocator(self._malloc_on_current_device if self.copies else self.pool.malloc)
+
+    def _malloc_on_current_device(self, size):
+        """Backend "device": allocate from the pool of the device CuPy is on
+        (CuPy's own MemoryPool is per device inside; a VMM pool is not)."""
+        device = self.cupy.cuda.runtime.getDevice()
+        pool = self.pool if device == self.device else self.pool_for(device)
+        return pool.malloc(size)
 
     def uninstall(self):
-        cupy, saved = self.cupy, self._saved
-        cupy.cuda.set_allocator(saved["allocator"])
-        cupy._core.array = saved["array"]
-        for name, value in saved["class"].items():
-            if value is None:
-                delattr(cupy.ndarray, name)
-            else:
-                setattr(cupy.ndarray, name, value)
+        cupy = self.cupy
+        cupy.cuda.set_allocator(self._saved_allocator)
+        self._patches.restore()
         self.synchronize()
         # Blocks CuPy's pool caches go back to the arena; blocks of live
         # arrays stay valid and return when those arrays are freed.

@@ -7,13 +7,15 @@ import dataclasses
 import os
 import threading
 
-from . import _core, _cupy_hook, _numpy_hook, _vmm, backends
+from . import _core, _cupy_compat, _cupy_hook, _numpy_hook, _vmm, backends
 from ._errors import UmpError
 from ._probe import check_device_index, probe
 
 __all__ = ["Options", "enable", "disable", "is_enabled", "enabled", "current", "State"]
 
 _PLACEMENTS = ("auto", "host", "migrate")
+#: The smallest cap: one chunk of the arena (csrc/arena.c, SLAB_MIN).
+MIN_CAP = 2 << 20
 _SYNCS = ("device", "stream")
 
 
@@ -24,11 +26,19 @@ class Options:
     Parameters
     ----------
     cap : int or float, optional
-        Most bytes the backend may hold: an int is bytes, a float in (0, 1]
-        a fraction of the device's free memory at ``enable()`` (of the host's
-        available memory for ``host``). Default: 0.5, and never more than half
-        of the host's available memory. Past the cap NumPy gets plain memory
-        and CuPy raises :class:`ump.OutOfMemoryError`.
+        Most bytes the backend may hold, NumPy's and CuPy's side together: an
+        int is bytes (at least one chunk, 2 MiB), a float in (0, 1] a fraction
+        of the device's free memory at ``enable()`` (of the host's available
+        memory for ``host``). Default: the budget of docs/backends.md — the
+        device's free memory less ``headroom`` for memory the GPU holds
+        (``managed``, ``device``), and no more than three quarters of the
+        host's available memory for host memory (``pinned``, ``system``,
+        ``host``). Past it NumPy gets plain host memory; CuPy gets plain
+        device memory where the backend's memory is host memory (``pinned``,
+        ``system``), else raises :class:`ump.OutOfMemoryError`.
+    headroom : int, optional
+        Device memory left to the CUDA libraries and other processes (bytes);
+        default the larger of 512 MiB and 1/64 of the device's memory.
     device : int
         The CUDA device whose primary context and memory ump uses (0).
     placement : {"auto", "host", "migrate"}
@@ -46,6 +56,7 @@ class Options:
     """
 
     cap: int | float | None = None
+    headroom: int | None = None
     device: int = 0
     placement: str = "auto"
     prefetch_min: int = 2 << 20
@@ -58,8 +69,12 @@ class Options:
                 raise TypeError(f"cap must be an int (bytes) or a float fraction, not {type(cap).__name__}")
             if isinstance(cap, float) and not 0.0 < cap <= 1.0:
                 raise ValueError(f"cap as a fraction must be in (0, 1], got {cap}")
-            if isinstance(cap, int) and not 0 < cap < 1 << 63:
-                raise ValueError(f"cap must be a positive number of bytes below 2**63, got {cap}")
+            if isinstance(cap, int) and not MIN_CAP <= cap < 1 << 63:
+                raise ValueError(f"cap must be a number of bytes from one chunk ({MIN_CAP}) to 2**63, "
+                                 f"got {cap}: a smaller cap would send every array to plain memory")
+        hr = self.headroom
+        if hr is not None and (isinstance(hr, bool) or not isinstance(hr, int) or hr < 0):
+            raise ValueError(f"headroom must be a non-negative int (bytes), got {hr!r}")
         check_device_index(self.device)
         if self.placement not in _PLACEMENTS:
             raise ValueError(f"placement must be one of {_PLACEMENTS}, got {self.placement!r}")
@@ -90,8 +105,9 @@ def current() -> State | None:
     return _state
 
 
-def _gpu_context(device: int) -> tuple[int, int]:
-    """Retain the device's primary context (CuPy's too); (context, free bytes)."""
+def _gpu_context(device: int) -> tuple[int, int, int]:
+    """Retain the device's primary context (CuPy's too); (context, free
+    bytes, total bytes)."""
     from cuda.bindings import driver
 
     from ._probe import _call
@@ -100,21 +116,63 @@ def _gpu_context(device: int) -> tuple[int, int]:
     ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
     _call(driver.cuCtxPushCurrent, ctx)
     try:
-        free, _total = _call(driver.cuMemGetInfo)
+        free, total = _call(driver.cuMemGetInfo)
     finally:
         _call(driver.cuCtxPopCurrent)
-    return int(ctx), int(free)
+    return int(ctx), int(free), int(total)
 
 
-def _resolve_cap(backend, options: Options, free_device: int | None) -> int:
-    cap = options.cap
-    if isinstance(cap, int):
-        return cap
-    default = backend.default_cap(free_device)
+def _device_pool(device: int) -> _vmm.VMMPool:
+    """The VMM pool of a device other than the enabled one, made at its first
+    use by CuPy (bounded by that device's memory)."""
+    with _lock:
+        pool = _device_pools.get(device)
+        if pool is None:
+            pool = _device_pools[device] = _vmm.VMMPool(device)
+        return pool
+
+
+def _as_options(options) -> Options:
+    """``enable()``'s keyword arguments, or one :class:`Options` (instance or
+    dict) passed as ``options=``."""
+    given = options.pop("options", None)
+    if given is not None:
+        if options:
+            raise TypeError(f"enable() takes options= or keyword options, not both: {sorted(options)}")
+        if isinstance(given, Options):
+            return given
+        if not isinstance(given, dict):
+            raise TypeError(f"enable(options=...) takes an ump.Options or a dict, not {type(given).__name__}")
+        options = dict(given)
+    known = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"enable() got unknown option(s) {', '.join(map(repr, unknown))}; "
+                        f"the options are {', '.join(sorted(known))}")
+    return Options(**options)
+
+
+def _differences(state: State, backend: str, opts: Options) -> str:
+    diffs = [f"backend {state.requested!r} -> {backend!r}"] if state.requested != backend else []
+    for field in dataclasses.fields(Options):
+        old, new = getattr(state.options, field.name), getattr(opts, field.name)
+        if old != new:
+            diffs.append(f"{field.name} {old!r} -> {new!r}")
+    return ", ".join(diffs)
+
+
+def _budgets(chosen: backends.Backend, opts: Options, device: tuple[int, int] | None):
+    """(NumPy side's cap, CuPy side's cap, headroom) in bytes."""
+    free, total = device if device is not None else (None, None)
+    headroom = opts.headroom if opts.headroom is not None else (
+        backends.default_headroom(total) if total is not None else 0)
+    cap = opts.cap
     if cap is None:
-        return default
-    basis = free_device if free_device is not None else backends._host_available_bytes()
-    return max(int(basis * cap), _core.ALIGN)
+        return chosen.default_cap(free, headroom), chosen.cupy_cap(free, headroom), headroom
+    if isinstance(cap, float):
+        basis = free if free is not None else backends.host_available_bytes()
+        cap = max(int(basis * cap), MIN_CAP)
+    return cap, cap, headroom
 
 
 def enable(backend: str = "auto", **options) -> str:
@@ -129,7 +187,8 @@ def enable(backend: str = "auto", **options) -> str:
         (:class:`ump.VMMPool`), NumPy from pinned memory, and transfers are
         copies at DMA speed.
     **options
-        See :class:`Options`.
+        See :class:`Options`; or ``options=`` an :class:`Options` instance
+        or a dict of them.
 
     Returns
     -------
@@ -141,20 +200,22 @@ def enable(backend: str = "auto", **options) -> str:
     BackendUnavailableError
         The backend cannot run on this machine; the message says why.
     UmpError
-        ``CUPY_ENABLE_UMP=1`` is missing for a GPU backend, CuPy was imported
-        with its own UMP path on a GPU where it fails, or ump is already
-        enabled with another backend or options.
+        ``CUPY_ENABLE_UMP=1`` is missing for a GPU backend, CuPy is a version
+        ump does not support, or ump is already enabled with another backend
+        or options (the message names what differs).
     ValueError, TypeError
-        Bad options.
+        Bad options; the message names the option.
 
     Notes
     -----
     Calling it again with the same arguments does nothing. To change backend
     call :func:`disable` first. Arrays made before stay valid and are freed by
-    their own allocator.
+    their own allocator. CuPy may be imported before or after: if it was
+    imported with ``CUPY_ENABLE_UMP=1`` on a GPU without HMM/ATS, ump turns
+    CuPy's own UMP path off (it fails there).
     """
     global _state
-    opts = Options(**options)
+    opts = _as_options(options)
     if backend != "auto":
         backends.get(backend)  # unknown names fail before anything happens
     with _lock:
@@ -162,38 +223,40 @@ def enable(backend: str = "auto", **options) -> str:
             if (_state.requested, _state.options) == (backend, opts):
                 return _state.backend.name
             raise UmpError(
-                f"ump is already enabled with backend {_state.backend.name!r}; "
-                "call ump.disable() before enabling it again with other settings"
+                f"ump is already enabled with backend {_state.backend.name!r}; this call differs "
+                f"({_differences(_state, backend, opts)}): call ump.disable() first"
             )
         caps = probe()
         chosen = backends.select(backend, caps, opts.device)
-        free_device = None
-        cupy = None
+        device = cupy = None
         if chosen.uses_gpu:
             if os.environ.get("CUPY_ENABLE_UMP") != "1":
                 raise UmpError(
                     "CUPY_ENABLE_UMP=1 is not set: set it in the environment before Python "
-                    "starts (export CUPY_ENABLE_UMP=1), then call ump.enable()"
+                    "starts (export CUPY_ENABLE_UMP=1), then call ump.enable(); or start the "
+                    "program with `python -m ump run`"
                 )
-            cupy = _cupy_hook.import_cupy(sam=chosen.name == "system")
+            cupy = _cupy_compat.import_cupy(sam=chosen.name == "system")
             _core.cuda_load()
-            ctx, free_device = _gpu_context(opts.device)
+            ctx, free, total = _gpu_context(opts.device)
+            device = (free, total)
             _core.cuda_set_context(ctx, opts.device)
-        cap = _resolve_cap(chosen, opts, free_device)
-        numpy_arena = _core.Arena(chosen.numpy_arena_kind, chosen.provider, cap, chosen.advise_host)
+        numpy_cap, cupy_cap, headroom = _budgets(chosen, opts, device)
+        numpy_arena = _core.Arena(chosen.numpy_arena_kind, chosen.provider, numpy_cap, chosen.advise_host)
         cupy_arena = hook = pool = None
         if cupy is not None:
             if chosen.name == "device":
                 pool = _device_pools.get(opts.device)
                 if pool is None:
-                    pool = _device_pools[opts.device] = _vmm.VMMPool(opts.device, limit=cap)
+                    pool = _device_pools[opts.device] = _vmm.VMMPool(opts.device, limit=cupy_cap)
                 else:
-                    pool.set_limit(cap)
+                    pool.set_limit(cupy_cap)
             else:
                 # Its own arena even where the chunks are alike: statistics
                 # then tell NumPy's blocks from those CuPy's pool caches.
-                cupy_arena = _core.Arena(chosen.name, chosen.provider, cap, cupy_side=True)
-            hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts, pool=pool)
+                cupy_arena = _core.Arena(chosen.name, chosen.provider, cupy_cap, cupy_side=True)
+            hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts, headroom, pool=pool,
+                                       pool_for=_device_pool)
             with cupy.cuda.Device(opts.device):
                 hook.install()
         _numpy_hook.install(numpy_arena.id)
@@ -234,10 +297,14 @@ def is_enabled() -> bool:
 def enabled(backend: str = "auto", **options):
     """``with ump.enabled(...):`` enables ump for the block, then disables it.
 
-    Yields the backend's name.
+    Yields the backend's name. Nested inside an enabled block (or after
+    :func:`enable`) with the same settings it leaves ump enabled on exit:
+    only the block that enabled ump disables it.
     """
+    was_enabled = _state is not None
     name = enable(backend, **options)
     try:
         yield name
     finally:
-        disable()
+        if not was_enabled:
+            disable()

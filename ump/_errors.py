@@ -10,20 +10,26 @@ class UmpError(RuntimeError):
 
     Attributes
     ----------
+    message : str
+        What went wrong, without the error name.
     cuda_error : str or None
         The CUDA error name (``"CUDA_ERROR_OUT_OF_MEMORY"``, ...) or ump's own
         status name (``"UMP_ERR_CAP"``) behind the error, where there is one.
     """
 
     def __init__(self, message: str, cuda_error: str | None = None):
-        if cuda_error:
-            message = f"{message} ({cuda_error})"
-        super().__init__(message)
+        self.message = message
         self.cuda_error = cuda_error
+        super().__init__(f"{message} ({cuda_error})" if cuda_error else message)
 
 
 class OutOfMemoryError(UmpError, MemoryError):
-    """An arena's cap or the device ran out of memory."""
+    """An arena's cap or the device ran out of memory.
+
+    Raised for CuPy allocations as a subclass that is also a
+    ``cupy.cuda.memory.OutOfMemoryError``, so code written for stock CuPy
+    catches it unchanged.
+    """
 
 
 class BackendUnavailableError(UmpError):

@@ -15,6 +15,7 @@ import sys
 import threading
 
 from . import _core
+from ._cupy_compat import out_of_memory_error
 from ._errors import OutOfMemoryError, UmpError
 from ._probe import _call, check_device_index, device_info, probe
 
@@ -241,7 +242,13 @@ class VMMPool:
                 # reference cycle (a traceback, say) keeps alive give back
                 # their blocks once collected.
                 gc.collect()
-                ptr = self.allocate(size, stream)
+                try:
+                    ptr = self.allocate(size, stream)
+                except OutOfMemoryError as err:
+                    # the class CuPy users catch (cupy.cuda.memory.OutOfMemoryError)
+                    cls = out_of_memory_error(_cupy())
+                    raise cls(err.message, err.cuda_error, size, self.used_bytes(),
+                              self.get_limit()) from None
         return memptr(unowned(ptr, size, _Block(pool, ptr), self.device), 0)
 
     def free_all_blocks(self, stream=None) -> None:

@@ -13,7 +13,7 @@ import os
 from .._errors import BackendUnavailableError
 from .._probe import Capabilities, DeviceInfo, check_device_index, device_info
 
-__all__ = ["Backend", "AUTO_ORDER", "get", "select", "names"]
+__all__ = ["Backend", "AUTO_ORDER", "HOST_SHARE", "default_headroom", "host_available_bytes", "get", "select", "names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,13 @@ class Backend:
     numpy_kind : str, optional
         The kind of NumPy's arena when it differs from ``name`` (the
         ``device`` backend keeps NumPy arrays in pinned memory).
+    gpu_resident : bool
+        CuPy's side of the memory is held by the GPU (managed memory
+        migrates there; VMM device memory), so its budget is the device's
+        free memory less the headroom, not the host's memory.
+    spills_to_device : bool
+        CuPy's side is host memory; past the budget CuPy takes plain device
+        memory, as stock CuPy does, instead of failing.
     """
 
     name: str
@@ -42,6 +49,8 @@ class Backend:
     uses_gpu: bool
     advise_host: bool = False
     numpy_kind: str | None = None
+    gpu_resident: bool = False
+    spills_to_device: bool = False
 
     @property
     def numpy_arena_kind(self) -> str:
@@ -51,17 +60,41 @@ class Backend:
         """Why this backend cannot run here, or None if it can."""
         raise NotImplementedError
 
-    def default_cap(self, free_device_bytes: int | None) -> int:
-        """Bytes the backend may hold when the user sets no cap: half of the
-        device's free memory (over-subscribed managed or pinned memory can
-        hang a shared GPU), and never more than half of the host's."""
-        host = _host_available_bytes()
-        if free_device_bytes is None:
-            return host // 2
-        return min(free_device_bytes, host) // 2
+    def default_cap(self, free_device: int | None, headroom: int) -> int:
+        """Bytes NumPy's side (with CuPy's, where they share the kind) may
+        hold when the user sets no cap.
+
+        Managed or pinned memory beyond what the GPU has free can hang a
+        shared GPU, so no unified backend takes more than the device's free
+        memory less the headroom; host memory is further bounded by
+        :data:`HOST_SHARE` of the host's available memory.
+        """
+        host = int(host_available_bytes() * HOST_SHARE)
+        if free_device is None:
+            return host
+        gpu = max(free_device - headroom, 0)
+        return gpu if self.gpu_resident and self.numpy_kind is None else min(gpu, host)
+
+    def cupy_cap(self, free_device: int | None, headroom: int) -> int:
+        """The budget of CuPy's side (its arena, or the VMM pool's limit)."""
+        if free_device is not None and self.gpu_resident:
+            return max(free_device - headroom, 0)
+        return self.default_cap(free_device, headroom)
 
 
-def _host_available_bytes() -> int:
+#: The share of the host's available memory that host-resident unified
+#: memory may take by default.
+HOST_SHARE = 0.75
+
+
+def default_headroom(total_device: int) -> int:
+    """Device memory ump leaves to CUDA libraries, kernels' scratch space and
+    other processes: 512 MiB or 1/64 of the device, whichever is larger
+    (2.2 GiB on a 141 GiB H200)."""
+    return max(512 << 20, total_device // 64)
+
+
+def host_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

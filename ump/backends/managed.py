@@ -23,4 +23,4 @@ class ManagedBackend(Backend):
 
 
 MANAGED = ManagedBackend(name="managed", provider=_core.PROVIDER_MANAGED, uses_gpu=True,
-                         advise_host=True)
+                         advise_host=True, gpu_resident=True)

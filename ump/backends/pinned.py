@@ -19,4 +19,4 @@ class PinnedBackend(Backend):
         return None
 
 
-PINNED = PinnedBackend(name="pinned", provider=_core.PROVIDER_PINNED, uses_gpu=True)
+PINNED = PinnedBackend(name="pinned", provider=_core.PROVIDER_PINNED, uses_gpu=True, spills_to_device=True)

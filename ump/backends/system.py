@@ -20,4 +20,4 @@ class SystemBackend(Backend):
         return None
 
 
-SYSTEM = SystemBackend(name="system", provider=_core.PROVIDER_HOST, uses_gpu=True)
+SYSTEM = SystemBackend(name="system", provider=_core.PROVIDER_HOST, uses_gpu=True, spills_to_device=True)

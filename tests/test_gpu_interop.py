@@ -1,0 +1,267 @@
+"""Every reader sees finished data: each path by which the host or another
+library reaches a CuPy array, on every backend, raced against a kernel.
+
+Run with CUPY_ENABLE_UMP=1 on a CUDA machine; skipped elsewhere. The table
+in docs/interop.md is generated from INTEROP below (tools/interop_table.py),
+so the documented behaviour is what these tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+
+import numpy as np
+import pytest
+
+import ump
+
+pytestmark = pytest.mark.gpu
+
+# A kernel that spins ~50 ms before it writes: a read that does not wait
+# for it sees the old values.
+SPIN = r"""
+extern "C" __global__ void spin_then_write(double *x, long n, long long cycles, double value) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+    if (i < n) x[i] = value;
+}
+"""
+CYCLES = 100_000_000  # ~50 ms at the H200's 1.98 GHz
+ROUNDS = 20
+N = 1 << 14
+
+
+def _spin_kernel(cupy):
+    return cupy.RawKernel(SPIN, "spin_then_write")
+
+
+def _host_readers(cupy):
+    """name -> (read(g) -> NumPy values, shares(backend) -> whether the
+    result is at g's address). What docs/interop.md lists."""
+
+    def from_interface(g):
+        class Holder:
+            __array_interface__ = g.__array_interface__
+
+        return np.asarray(Holder())
+
+    def buffer(g):
+        return np.frombuffer(memoryview(g), dtype=g.dtype)
+
+    unified = ("managed", "pinned", "system")
+    return {
+        "cupy.asnumpy": (cupy.asnumpy, unified),
+        "ndarray.get": (lambda g: g.get(), unified),
+        "numpy.asarray": (np.asarray, unified),
+        "numpy.array": (lambda g: np.array(g), ()),
+        "numpy.from_dlpack": (np.from_dlpack, unified),
+        "__array_interface__": (from_interface, unified),
+        "__array__": (lambda g: g.__array__(), unified),
+        "memoryview": (buffer, unified),
+        "pickle": (lambda g: cupy.asnumpy(pickle.loads(pickle.dumps(g))), ()),
+        "tolist": (lambda g: np.array(g.tolist()), ()),
+        "item": (lambda g: np.array([g[-1:].item()]), ()),
+        "repr": (lambda g: np.array([float(repr(g[-1:]).split("[")[1].split("]")[0])]), ()),
+    }
+
+
+PATHS = [
+    "cupy.asnumpy", "ndarray.get", "numpy.asarray", "numpy.array", "numpy.from_dlpack",
+    "__array_interface__", "__array__", "memoryview", "pickle", "tolist", "item", "repr"]
+
+
+@pytest.fixture(scope="session")
+def record():
+    """Append what a path did on a backend to $UMP_INTEROP_RECORD (JSON
+    lines), from which tools/interop_table.py writes docs/interop.md."""
+    path = os.environ.get("UMP_INTEROP_RECORD")
+
+    def write(**row):
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    return write
+
+
+@pytest.fixture(params=["managed", "pinned", "device", "system"])
+def backend(request, gpu_caps):
+    from ump import backends
+
+    name = request.param
+    why = backends.get(name).unavailable(gpu_caps, gpu_caps.devices[0])
+    if why is not None:
+        pytest.skip(f"backend {name} cannot run here: {why}")
+    ump.enable(name, cap=4 << 30)
+    import cupy
+
+    yield name, cupy
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def _race(cupy, g, stream, value):
+    """Queue a ~50 ms kernel on `stream` that writes `value` into g."""
+    with stream:
+        _spin_kernel(cupy)(((g.size + 255) // 256,), (256,), (g, np.int64(g.size), np.int64(CYCLES),
+                                                               np.float64(value)))
+
+
+REFUSALS = {  # (path, backend) -> the error, for memory the host cannot read in place
+    ("memoryview", "device"): (BufferError, lambda g: memoryview(g)),
+    ("__array_interface__", "device"): (AttributeError, lambda g: g.__array_interface__),
+    # NumPy asks for no copy and no device, and refuses kDLCUDA, as with stock CuPy
+    ("numpy.from_dlpack", "device"): (BufferError, np.from_dlpack),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_host_reader_waits_for_the_kernel(backend, path, record):
+    name, cupy = backend
+    if path == "memoryview" and sys.version_info < (3, 12):
+        pytest.skip("memoryview of a CuPy array needs Python >= 3.12 (__buffer__)")
+    if (path, name) in REFUSALS:
+        error, call = REFUSALS[path, name]
+        with pytest.raises(error):
+            call(cupy.zeros(8))
+        record(path=path, backend=name, result="refuses", error=error.__name__)
+        return
+    read, shares = _host_readers(cupy)[path]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    g = cupy.zeros(N, dtype=cupy.float64)
+    same = set()
+    for i in range(1, ROUNDS + 1):
+        _race(cupy, g, stream, float(i))
+        out = read(g)  # at once: the kernel is still spinning
+        assert out[-1] == i and (out == i).all(), f"round {i}: read before the kernel finished"
+        same.add(out.__array_interface__["data"][0] == g.data.ptr)
+    assert same == {name in shares}
+    record(path=path, backend=name, result="shares" if name in shares else "copies", waits=ROUNDS)
+
+
+def test_cuda_array_interface_waits_for_the_kernel(backend, record):
+    """A GPU library reading through __cuda_array_interface__ on its own
+    stream sees the kernel's values (torch.as_tensor)."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    name, cupy = backend
+    stream = cupy.cuda.Stream(non_blocking=True)
+    g = cupy.zeros(N, dtype=cupy.float64)
+    for i in range(1, ROUNDS + 1):
+        _race(cupy, g, stream, float(i))
+        t = torch.as_tensor(g, device="cuda")
+        assert t.data_ptr() == g.data.ptr
+        assert float(t.min()) == i and float(t.max()) == i, f"round {i}"
+    record(path="torch.as_tensor (__cuda_array_interface__)", backend=name, result="shares", waits=ROUNDS)
+
+
+def test_dlpack_to_torch_waits_and_is_accepted(backend, record):
+    """Managed memory reaches PyTorch as kDLCUDA (it refuses kDLCUDAManaged),
+    at the same address, after the kernel."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    name, cupy = backend
+    stream = cupy.cuda.Stream(non_blocking=True)
+    g = cupy.zeros(N, dtype=cupy.float64)
+    assert g.__dlpack_device__() == (2, 0)
+    for i in range(1, ROUNDS + 1):
+        _race(cupy, g, stream, float(i))
+        t = torch.from_dlpack(g)
+        assert t.device.type == "cuda" and t.data_ptr() == g.data.ptr
+        assert float(t.min()) == i and float(t.max()) == i, f"round {i}"
+    record(path="torch.from_dlpack", backend=name, result="shares", waits=ROUNDS)
+
+
+def test_from_dlpack_of_a_fresh_kernel_result(backend):
+    """The defect as users met it: np.from_dlpack right after CuPy kernels."""
+    name, cupy = backend
+    read = np.from_dlpack if name != "device" else (lambda g: np.from_dlpack(g, copy=True))
+    assert int(read(cupy.arange(1000)).sum()) == 499500
+    for _ in range(ROUNDS):
+        g = cupy.arange(1 << 22, dtype=cupy.int64) * 2
+        assert int(read(g)[-1]) == ((1 << 22) - 1) * 2
+
+
+def test_torch_both_ways(backend):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    name, cupy = backend
+    g = cupy.arange(1 << 16, dtype=cupy.float32)
+    t = torch.from_dlpack(g)
+    assert t.data_ptr() == g.data.ptr
+    t.mul_(2)  # PyTorch's kernel, on its stream
+    torch.cuda.synchronize()
+    host = cupy.asnumpy(g)  # CuPy and NumPy see PyTorch's write
+    assert host[5] == 10.0
+    if name != "device":
+        assert np.asarray(g).ctypes.data == g.data.ptr == host.ctypes.data
+    back = cupy.from_dlpack(t)  # and back: the same memory
+    assert back.data.ptr == g.data.ptr
+    # PyTorch's own memory into CuPy and NumPy, as with stock CuPy
+    own = torch.arange(1000, device="cuda", dtype=torch.float64)
+    c = cupy.from_dlpack(own)
+    assert c.data.ptr == own.data_ptr() and ump.kind_of(c) is None
+    np.testing.assert_array_equal(cupy.asnumpy(c), own.cpu().numpy())
+    c2 = cupy.asarray(own)  # through __cuda_array_interface__
+    assert c2.data.ptr == own.data_ptr()
+    np.testing.assert_array_equal(np.asarray(c2), np.arange(1000.0))
+
+
+SPIN_F32 = SPIN.replace("double *x", "float *x").replace("double value", "float value")
+
+
+def test_jax_both_ways(backend, record):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax", reason="JAX is not installed")
+    import jax.numpy as jnp
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU backend here")
+    name, cupy = backend
+    stream = cupy.cuda.Stream(non_blocking=True)
+    g = cupy.zeros(N, dtype=cupy.float32)
+    spin = cupy.RawKernel(SPIN_F32, "spin_then_write")
+    shared = set()
+    for i in range(1, 6):
+        with stream:
+            spin(((N + 255) // 256,), (256,), (g, np.int64(N), np.int64(CYCLES), np.float32(i)))
+        j = jnp.from_dlpack(g)
+        shared.add(j.unsafe_buffer_pointer() == g.data.ptr)
+        assert float(j.min()) == i and float(j.max()) == i, f"round {i}"
+    own = jnp.arange(1000, dtype=jnp.float32)
+    c = cupy.from_dlpack(own)
+    np.testing.assert_array_equal(cupy.asnumpy(c), np.arange(1000, dtype=np.float32))
+    record(path="jax.numpy.from_dlpack", backend=name, result="shares" if shared == {True} else "copies",
+           waits=5)
+
+
+def test_numba_both_ways(backend, record):
+    cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+    name, cupy = backend
+    stream = cupy.cuda.Stream(non_blocking=True)
+    g = cupy.zeros(N, dtype=cupy.float64)
+    for i in range(1, 6):
+        _race(cupy, g, stream, float(i))
+        d = cuda.as_cuda_array(g)
+        assert d.device_ctypes_pointer.value == g.data.ptr
+        assert (d.copy_to_host() == i).all(), f"round {i}"
+    own = cuda.to_device(np.arange(100.0))
+    c = cupy.asarray(own)
+    assert c.data.ptr == own.device_ctypes_pointer.value
+    np.testing.assert_array_equal(cupy.asnumpy(c), np.arange(100.0))
+    record(path="numba.cuda.as_cuda_array", backend=name, result="shares", waits=5)
+
+
+def test_dlpack_arguments(backend):
+    name, cupy = backend
+    g = cupy.arange(10, dtype=cupy.float64)
+    copied = np.from_dlpack(g, copy=True)
+    assert copied.ctypes.data != g.data.ptr and copied[3] == 3.0
+    if name == "device":
+        with pytest.raises((BufferError, ValueError)):
+            np.from_dlpack(g, copy=False)
+    else:
+        shared = np.from_dlpack(g, copy=False)
+        assert shared.ctypes.data == g.data.ptr
+        on_cpu = np.from_dlpack(g, device="cpu")  # dl_device=(kDLCPU, 0)
+        assert on_cpu.ctypes.data == g.data.ptr and on_cpu[9] == 9.0

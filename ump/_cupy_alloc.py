@@ -1,0 +1,161 @@
+"""CuPy's memory under ump: the arena behind CuPy's pool, with the release of
+NumPy memory that CuPy views in stream order.
+
+CuPy's own ``MemoryPool`` stays in front (``set_allocator(pool.malloc)``), so
+a CuPy allocation costs what it costs with CuPy's default pool; only a pool
+miss reaches :meth:`UnifiedUpstream.__call__`.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+
+from . import _core
+
+__all__ = ["ReleaseQueue", "UnifiedUpstream", "Lease"]
+
+#: cudaErrorMemoryAllocation, the status of CuPy's CUDARuntimeError when
+#: cudaMalloc finds no memory.
+CUDA_ERROR_MEMORY_ALLOCATION = 2
+
+
+class ReleaseQueue:
+    """NumPy arrays that CuPy views let go of, each kept until an event
+    recorded on the stream of its last use has passed: a kernel queued on the
+    memory may still run, and NumPy must not hand the block out again
+    meanwhile."""
+
+    MAX_PENDING = 4096
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+        self._pending = collections.deque()
+        self._lock = threading.Lock()
+
+    def defer(self, array) -> None:
+        event = self.cupy.cuda.Event(block=False, disable_timing=True)
+        event.record()
+        self._pending.append((event, array))
+        if len(self._pending) > self.MAX_PENDING:
+            self.drain(block=True)
+
+    def drain(self, block: bool = False) -> None:
+        """Let go of the arrays whose last kernel has finished (all of them,
+        waiting, if ``block``)."""
+        if not self._lock.acquire(blocking=block):
+            return  # another thread is draining
+        try:
+            pending = self._pending
+            while pending:
+                event, _ = pending[0]
+                if not block and not event.done:
+                    break
+                event.synchronize()
+                pending.popleft()
+        finally:
+            self._lock.release()
+
+
+class Lease:
+    """Owner of a CuPy view of NumPy memory: hands the NumPy array to the
+    release queue when CuPy drops the view."""
+
+    __slots__ = ("array", "queue")
+
+    def __init__(self, array, queue: ReleaseQueue):
+        self.array = array
+        self.queue = queue
+
+    def __del__(self):
+        try:
+            self.queue.defer(self.array)
+        except Exception:  # interpreter shutdown: nothing runs any more
+            pass
+
+
+class _Chunk:
+    """Owner of a block CuPy's pool took from the arena."""
+
+    __slots__ = ("ptr", "runtime")
+
+    def __init__(self, ptr, runtime):
+        self.ptr = ptr
+        self.runtime = runtime
+
+    def __del__(self):
+        # CuPy's pool lets go of a block only in free_all_blocks(), and
+        # assumes the free synchronises like cudaFree: a kernel may still
+        # use it, and NumPy could be handed the block next.
+        try:
+            self.runtime.deviceSynchronize()
+        except Exception:
+            pass
+        _core._arena_free(self.ptr)
+
+
+class UnifiedUpstream:
+    """What CuPy's pool allocates from: the backend's arena while its budget
+    lasts, then, for backends whose memory is host memory (``spill``), plain
+    device memory as stock CuPy's (conversions of such arrays copy); on
+    exhaustion the recovery CuPy's own pool performs.
+
+    Raises
+    ------
+    OutOfMemoryError
+        ump's class that ``except cupy.cuda.memory.OutOfMemoryError`` also
+        catches, naming the backend, its budget and the size.
+    """
+
+    def __init__(self, cupy, arena, backend_name: str, release: ReleaseQueue, error_class,
+                 spill: bool):
+        self.cupy = cupy
+        self.spill = spill
+        self.arena = arena
+        self.backend_name = backend_name
+        self.release = release
+        self.error_class = error_class
+        self.pool = None  # set by the hook: the CuPy pool this feeds
+        self.status = 0  # the arena's last failure (ump's or CUDA's status)
+
+    def _try(self, size: int):
+        cuda = self.cupy.cuda
+        ptr = _core._arena_alloc(self.arena.id, size)
+        self.status = _core.last_status() if not ptr else 0
+        if ptr:
+            mem = cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cuda.runtime), cuda.runtime.getDevice())
+            return cuda.memory.MemoryPointer(mem, 0)
+        if not self.spill:
+            return None
+        try:
+            return cuda.memory.MemoryPointer(cuda.memory.Memory(size), 0)
+        except cuda.runtime.CUDARuntimeError as err:
+            if err.status != CUDA_ERROR_MEMORY_ALLOCATION:
+                raise
+            return None
+
+    def __call__(self, size: int):
+        got = self._try(size)
+        if got is not None:
+            return got
+        # What CuPy's pool does on an allocation error, done here so the
+        # final error is ump's: release NumPy arrays whose kernels are done
+        # and the blocks the pool caches, then collect arrays only reference
+        # cycles keep (a traceback, say), retrying after each step. This runs
+        # outside the pool's lock, as CuPy's own retry does.
+        for collect in (False, True):
+            if collect:
+                gc.collect()
+            self.release.drain(block=True)
+            self.pool.free_all_blocks()
+            got = self._try(size)
+            if got is not None:
+                return got
+        stats = self.arena.statistics()
+        raise self.error_class(
+            f"CuPy asked for {size} bytes: the {self.backend_name} backend's budget of "
+            f"{stats.cap_bytes} bytes holds {stats.held_bytes}"
+            + (" and the device has no memory left" if self.spill else "")
+            + " (set the budget with ump.enable(cap=..., headroom=...))",
+            _core.error_name(self.status or _core.ERR_CAP), size, stats.held_bytes, stats.cap_bytes)

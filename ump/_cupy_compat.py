@@ -1,0 +1,240 @@
+"""Everything ump does to CuPy's internals, in one place.
+
+ump changes CuPy through its Python-visible surface (``cupy._core.array``,
+attributes of ``cupy.ndarray``) and, when CuPy was imported with
+``CUPY_ENABLE_UMP=1`` on a GPU without HMM/ATS, through two flags CuPy keeps
+in C. Each of these is checked against the CuPy versions ump knows; on any
+other CuPy ump refuses with a clear error instead of patching blind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import os
+import struct
+import sys
+
+from ._errors import OutOfMemoryError, UmpError
+
+__all__ = ["import_cupy", "check_cupy", "Patches", "out_of_memory_error", "set_capsule_device",
+           "KDL_CPU", "KDL_CUDA", "KDL_CUDA_MANAGED"]
+
+#: CuPy releases whose internals ump was checked against (major versions).
+SUPPORTED_MAJORS = (13, 14)
+
+#: Parameters ump relies on, as CuPy names them (cupy/_core/core.pyx).
+_SIGNATURES = {
+    "cupy._core.array": ("obj", "dtype", "copy", "order", "subok", "ndmin", "blocking"),
+    "cupy.ndarray.get": ("self", "stream", "order", "out", "blocking"),
+}
+
+#: Where CuPy keeps ``CUPY_ENABLE_UMP`` as read at its import: a C ``bint``
+#: per Cython module (core.pyx and memory.pyx), not reachable from Python.
+_UMP_FLAGS = (
+    ("cupy._core.core", b"__pyx_v_4cupy_5_core_4core__is_ump_enabled"),
+    ("cupy.cuda.memory", b"__pyx_v_4cupy_4cuda_6memory__is_ump_enabled"),
+)
+
+# DLPack device types (dlpack.h).
+KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED = 1, 2, 13
+
+
+def check_cupy(cupy) -> None:
+    """Refuse a CuPy whose internals ump does not know.
+
+    Raises
+    ------
+    UmpError
+        The CuPy version is not one ump supports, or a function ump replaces
+        takes other arguments than ump passes.
+    """
+    version = getattr(cupy, "__version__", "unknown")
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        major = -1
+    if major not in SUPPORTED_MAJORS:
+        raise UmpError(f"CuPy {version} is not supported: ump hooks into CuPy's internals and knows "
+                       f"CuPy {', '.join(f'{m}.x' for m in SUPPORTED_MAJORS)}")
+    for where, expected in _SIGNATURES.items():
+        obj = cupy
+        for part in where.split(".")[1:]:
+            obj = getattr(obj, part, None)
+        if obj is None:
+            raise UmpError(f"CuPy {version} has no {where}, which ump replaces")
+        try:
+            params = tuple(inspect.signature(obj).parameters)
+        except (TypeError, ValueError):
+            continue  # compiled without signatures: the version check stands
+        if params != expected:
+            raise UmpError(f"CuPy {version}: {where}{params} differs from the {expected} ump replaces")
+
+
+def builtin_ump_active(cupy) -> bool:
+    """Whether CuPy runs with its own UMP path on: only then does it give
+    plain host memory a device id (cupy/cuda/memory.pyx, UnownedMemory)."""
+    buf = ctypes.create_string_buffer(512)
+    mem = cupy.cuda.memory.UnownedMemory(ctypes.addressof(buf), len(buf), buf)
+    return mem.device_id >= 0
+
+
+def import_cupy(sam: bool):
+    """Import CuPy for ump, with CuPy's built-in UMP path off.
+
+    On a GPU without HMM/ATS that path asserts in ``cupy.array``. If CuPy is
+    not imported yet it is imported with ``CUPY_ENABLE_UMP`` hidden; if it
+    was imported with the variable set, its two flags are turned off, so
+    CuPy behaves as if it had been imported without it.
+
+    Raises
+    ------
+    UmpError
+        Unsupported CuPy, or its flags cannot be found in its modules.
+    """
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        saved = os.environ.pop("CUPY_ENABLE_UMP", None)
+        try:
+            import cupy
+        finally:
+            if saved is not None:
+                os.environ["CUPY_ENABLE_UMP"] = saved
+        check_cupy(cupy)
+        return cupy
+    check_cupy(cupy)
+    if not sam and builtin_ump_active(cupy):
+        for module, symbol in _UMP_FLAGS:
+            _clear_flag(sys.modules[module], symbol)
+        if builtin_ump_active(cupy):  # pragma: no cover - a CuPy the checks missed
+            raise UmpError("CuPy's built-in UMP path is still on after ump turned it off")
+    return cupy
+
+
+def _clear_flag(module, symbol: bytes) -> None:
+    """Set a C ``bint`` of a compiled module from 1 to 0, found by its name
+    in the module's ELF symbol table."""
+    path = module.__file__
+    found = _elf_symbol(path, symbol)
+    if found is None:
+        raise UmpError(
+            f"CuPy was imported with CUPY_ENABLE_UMP=1 before ump.enable(), and ump cannot turn "
+            f"CuPy's UMP flag off in {path} (no symbol table). Call ump.enable() before importing "
+            "CuPy, or start the program with `python -m ump run`.")
+    offset, size = found
+    base = _load_base(module)
+    flag = (ctypes.c_int if size == 4 else ctypes.c_byte).from_address(base + offset)
+    if size not in (1, 4) or flag.value not in (0, 1):
+        raise UmpError(f"{path}: {symbol.decode()} is not the flag ump expects (size {size}, "
+                       f"value {flag.value})")
+    flag.value = 0
+
+
+def _elf_symbol(path: str, suffix: bytes) -> tuple[int, int] | None:
+    """(value, size) of the symbol whose name ends with ``suffix`` (names are
+    C++-mangled, ``_ZL<n>`` + the Cython name), or None."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # 64-bit little-endian
+        return None
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
+        if kind != 2 or not entsize:  # SHT_SYMTAB
+            continue
+        strtab = sections[link][4]
+        for at in range(offset, offset + size, entsize):
+            name, _, _, _, value, sym_size = struct.unpack_from("<IBBHQQ", data, at)
+            start = strtab + name
+            end = data.find(b"\0", start)
+            if data[start:end].endswith(suffix):
+                return value, sym_size
+    return None
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _load_base(module) -> int:
+    """Where the dynamic loader placed a compiled module (dladdr)."""
+    lib = ctypes.CDLL(module.__file__)  # already loaded: the same handle
+    init = getattr(lib, "PyInit_" + module.__name__.rsplit(".", 1)[-1])
+    info = _DlInfo()
+    libc = ctypes.CDLL(None)
+    libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    if not libc.dladdr(ctypes.cast(init, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fbase:
+        raise UmpError(f"cannot locate {module.__file__} in memory")
+    return info.dli_fbase
+
+
+class Patches:
+    """Attributes ump sets on CuPy's objects, and how to put them back."""
+
+    def __init__(self):
+        self._saved = []
+
+    def set(self, owner, name: str, value) -> None:
+        # For a class, only its own __dict__ counts: an inherited attribute
+        # is restored by deleting ump's.
+        before = owner.__dict__.get(name, _ABSENT) if isinstance(owner, type) else getattr(owner, name)
+        self._saved.append((owner, name, before))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        while self._saved:
+            owner, name, before = self._saved.pop()
+            if before is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+
+
+_ABSENT = object()
+
+
+_oom_classes: dict = {}
+
+
+def out_of_memory_error(cupy):
+    """ump's OutOfMemoryError that CuPy users' ``except
+    cupy.cuda.memory.OutOfMemoryError`` also catches."""
+    cls = _oom_classes.get(id(cupy))
+    if cls is None:
+        base = cupy.cuda.memory.OutOfMemoryError
+
+        class CupyOutOfMemoryError(OutOfMemoryError, base):
+            __module__ = "ump"
+            __qualname__ = "OutOfMemoryError"
+
+            def __init__(self, message, cuda_error=None, size=0, total=0, limit=0):
+                OutOfMemoryError.__init__(self, message, cuda_error)
+                self._size, self._total, self._limit = size, total, limit
+
+            def __reduce__(self):
+                return OutOfMemoryError, self.args
+
+        cls = _oom_classes[id(cupy)] = CupyOutOfMemoryError
+    return cls
+
+
+# A DLPack capsule holds a DLManagedTensorVersioned ("dltensor_versioned":
+# version, manager_ctx, deleter, flags, then the DLTensor) or a legacy
+# DLManagedTensor ("dltensor": the DLTensor first). In a DLTensor the device
+# type follows the data pointer.
+_DEVICE_TYPE_OFFSET = {b"dltensor_versioned": 32 + 8, b"dltensor": 8}
+_capsule_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_valid.argtypes, _capsule_valid.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_int
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.argtypes, _capsule_pointer.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_void_p
+
+
+def set_capsule_device(capsule, device_type: int) -> None:
+    """Rewrite the device type of an unconsumed DLPack capsule."""
+    for name, offset in _DEVICE_TYPE_OFFSET.items():
+        if _capsule_valid(capsule, name):
+            ctypes.c_int32.from_address(_capsule_pointer(capsule, name) + offset).value = device_type
+            return
+    raise UmpError("not an unconsumed DLPack capsule")

@@ -1,0 +1,82 @@
+"""Turning ump on from outside a program: ``python -m ump run`` and the
+pytest plugin share the settings read here (flags, then ``UMP_*``
+environment variables)."""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import sys
+
+__all__ = ["ENV_OPTIONS", "parse_size", "settings", "start", "run"]
+
+#: Environment variables and the :func:`ump.enable` argument each sets.
+ENV_OPTIONS = {
+    "UMP_BACKEND": "backend",
+    "UMP_CAP": "cap",
+    "UMP_HEADROOM": "headroom",
+    "UMP_PLACEMENT": "placement",
+    "UMP_SYNC": "sync",
+    "UMP_DEVICE": "device",
+}
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int | float:
+    """Bytes as an int (``"4294967296"``, ``"4G"``, ``"512MiB"``) or a
+    fraction as a float (``"0.5"``).
+
+    Raises
+    ------
+    ValueError
+        ``text`` is neither.
+    """
+    text = str(text).strip()
+    m = re.fullmatch(r"(\d+)\s*([kmgt]?)(?:i?b)?", text, re.IGNORECASE)
+    if m:
+        return int(m.group(1)) * _UNITS[m.group(2).lower()]
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (bytes such as 4G or 512MiB) or a fraction "
+                         "(such as 0.5)") from None
+
+
+def settings(flags: dict | None = None, environ=os.environ) -> tuple[str, dict]:
+    """(backend, options) for :func:`ump.enable`: ``flags`` (None values
+    ignored) over the ``UMP_*`` variables."""
+    merged = {opt: environ[var] for var, opt in ENV_OPTIONS.items() if environ.get(var)}
+    merged.update({k: v for k, v in (flags or {}).items() if v is not None})
+    backend = merged.pop("backend", "auto")
+    for key in ("cap", "headroom"):
+        if isinstance(merged.get(key), str):
+            merged[key] = parse_size(merged[key])
+    if isinstance(merged.get("device"), str):
+        try:
+            merged["device"] = int(merged["device"])
+        except ValueError:
+            raise ValueError(f"device must be a device index, got {merged['device']!r}") from None
+    return backend, merged
+
+
+def start(backend: str, options: dict) -> str:
+    """Enable ump for a program started from outside it."""
+    import ump
+
+    os.environ.setdefault("CUPY_ENABLE_UMP", "1")  # inherited by child processes too
+    return ump.enable(backend, **options)
+
+
+def run(*, script: str | None = None, module: str | None = None, args=()) -> None:
+    """Run ``script`` or ``module`` as ``__main__`` with ``args`` as its
+    command line, as ``python script.py`` or ``python -m`` would."""
+    if module is not None:
+        sys.argv = [module, *args]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
