@@ -69,15 +69,7 @@ static chunk_t **reg;
 static size_t reg_n, reg_cap;
 static uint64_t foreign_frees;
 
-static __thread int last_status;
-
-volatile int ump__forked;
-
-int ump__set_status(int status) { last_status = status; return status; }
-int ump_last_status(void) { return last_status; }
-int ump_abi_version(void) { return UMP_ABI_VERSION; }
 uint64_t ump_foreign_frees(void) { return __atomic_load_n(&foreign_frees, __ATOMIC_RELAXED); }
-int ump_is_forked_child(void) { return ump__forked; }
 
 static size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
 
@@ -107,29 +99,6 @@ static size_t slab_bytes(size_t block)
 {
     size_t want = block * SLAB_MIN_SLOTS;
     return want < SLAB_MIN ? SLAB_MIN : round_up(want, SLAB_MIN);
-}
-
-/* --- fault injection ----------------------------------------------------- */
-
-static int64_t inject_after, inject_count;
-
-void ump_fault_inject(int64_t after, int64_t count)
-{
-    __atomic_store_n(&inject_after, after, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&inject_count, count, __ATOMIC_SEQ_CST);
-}
-
-int ump__injected_failure(void)
-{
-    if (__atomic_load_n(&inject_count, __ATOMIC_SEQ_CST) == 0)
-        return 0;
-    if (__atomic_fetch_sub(&inject_after, 1, __ATOMIC_SEQ_CST) > 0)
-        return 0;
-    __atomic_store_n(&inject_after, 0, __ATOMIC_SEQ_CST);
-    int64_t left = __atomic_load_n(&inject_count, __ATOMIC_SEQ_CST);
-    if (left > 0)
-        __atomic_fetch_sub(&inject_count, 1, __ATOMIC_SEQ_CST);
-    return 1;
 }
 
 /* --- registry ------------------------------------------------------------ */

@@ -102,18 +102,9 @@ int ump_cuda_set_context(uintptr_t ctx, int device)
 
 int ump_cuda_error_name(int status, char *buf, size_t len)
 {
-    const char *name = NULL;
-    switch (status) {
-    case UMP_ERR_NOMEM: name = "UMP_ERR_NOMEM"; break;
-    case UMP_ERR_CAP: name = "UMP_ERR_CAP"; break;
-    case UMP_ERR_NOCUDA: name = "UMP_ERR_NOCUDA"; break;
-    case UMP_ERR_FORKED: name = "UMP_ERR_FORKED"; break;
-    case UMP_ERR_ARG: name = "UMP_ERR_ARG"; break;
-    case UMP_ERR_INJECTED: name = "UMP_ERR_INJECTED"; break;
-    default:
-        if (cu.lib && cu.getErrorName(status, &name) != 0)
-            name = NULL;
-    }
+    const char *name = ump__status_name(status);
+    if (!name && cu.lib && cu.getErrorName(status, &name) != 0)
+        name = NULL;
     if (!name)
         name = "CUDA_ERROR_UNKNOWN";
     if (buf && len) {

@@ -1,4 +1,4 @@
-/* internal.h - what arena.c and cuda.c share; not part of the public API. */
+/* internal.h - what the units of the C core share; not part of the public API. */
 #ifndef UMP_INTERNAL_H
 #define UMP_INTERNAL_H
 
@@ -6,8 +6,20 @@
 
 #define UMP_HIDDEN __attribute__((visibility("hidden")))
 
+/* --- common.c: status, fault injection, fork ----------------------------- */
+
 /* Record a status for ump_last_status(); returns it. */
 UMP_HIDDEN int ump__set_status(int status);
+/* The name of one of ump's own statuses (UMP_ERR_*), NULL for any other. */
+UMP_HIDDEN const char *ump__status_name(int status);
+
+/* Fault injection (ump_fault_inject): whether this provider call must fail. */
+UMP_HIDDEN int ump__injected_failure(void);
+
+/* Set in a child after fork(): it must never call CUDA. */
+UMP_HIDDEN extern volatile int ump__forked;
+
+/* --- cuda.c: chunk providers and driver calls ---------------------------- */
 
 /* Take `size` bytes (a multiple of the page size) from a provider. Returns
  * UMP_OK and *out, or a status. Called with no ump lock held: CUDA calls are
@@ -18,17 +30,14 @@ UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size);
 /* Advise a new managed chunk to live on the host and be mapped by the GPU. */
 UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
 
-UMP_HIDDEN extern volatile int ump__forked;
-
-/* Fault injection (ump_fault_inject): whether this provider call must fail. */
-UMP_HIDDEN int ump__injected_failure(void);
-
 /* CUDA for vmm.c: a driver symbol, whether CUDA may be called (loaded, not
  * a forked child), and making a context current for a few calls. */
 UMP_HIDDEN void *ump__cuda_sym(const char *name);
 UMP_HIDDEN int ump__cuda_ready(void);
 UMP_HIDDEN int ump__ctx_push(void *ctx);
 UMP_HIDDEN void ump__ctx_pop(int pushed);
+
+/* --- vmm.c -------------------------------------------------------------- */
 
 /* Pool blocks and buffers for ump_lookup(). */
 UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool);
