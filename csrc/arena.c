@@ -1058,8 +1058,7 @@ void *ump_realloc(void *ptr, size_t size)
 /* --- fork ---------------------------------------------------------------
  * A child must not call CUDA; it keeps its inherited blocks usable (freeing
  * them only updates metadata) and serves new NumPy arrays from plain memory.
- * The locks are held across fork() so the child never inherits one held by a
- * thread that does not exist there. */
+ * common.c holds these locks across fork() (rank UMP_FORK_ARENAS). */
 
 static void atfork_prepare(void)
 {
@@ -1086,7 +1085,6 @@ static void atfork_child(void)
     /* glibc's rwlock remembers the writer's thread id, which differs in the
      * child: unlocking would corrupt it. The child has one thread and no
      * other holder, so fresh locks are exact. */
-    ump__forked = 1;
     pthread_mutex_init(&tc_list_lock, NULL);
     tc_list = NULL;
     if (tc.registered) {
@@ -1103,5 +1101,5 @@ static void atfork_child(void)
 __attribute__((constructor)) static void ump_init(void)
 {
     pthread_key_create(&tc_key, tc_thread_exit);
-    pthread_atfork(atfork_prepare, atfork_release, atfork_child);
+    ump__on_fork(UMP_FORK_ARENAS, atfork_prepare, atfork_release, atfork_child);
 }

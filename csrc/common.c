@@ -34,6 +34,9 @@ const char *ump__status_name(int status)
 /* --- fault injection ----------------------------------------------------- */
 
 static int64_t inject_after, inject_count;
+static uint32_t inject_delay_us;
+
+void ump_fault_delay(uint32_t usec) { __atomic_store_n(&inject_delay_us, usec, __ATOMIC_RELAXED); }
 
 void ump_fault_inject(int64_t after, int64_t count)
 {
@@ -43,6 +46,9 @@ void ump_fault_inject(int64_t after, int64_t count)
 
 int ump__injected_failure(void)
 {
+    uint32_t delay = __atomic_load_n(&inject_delay_us, __ATOMIC_RELAXED);
+    if (delay)
+        usleep(delay);
     if (__atomic_load_n(&inject_count, __ATOMIC_SEQ_CST) == 0)
         return 0;
     if (__atomic_fetch_sub(&inject_after, 1, __ATOMIC_SEQ_CST) > 0)
@@ -54,8 +60,55 @@ int ump__injected_failure(void)
     return 1;
 }
 
-/* --- fork ---------------------------------------------------------------- */
+/* --- fork ----------------------------------------------------------------
+ * One set of pthread_atfork handlers for the whole core. Every lock is held
+ * across fork(), so the child never inherits one held by a thread that does
+ * not exist there (it would hang on it forever). Prepare takes the locks rank
+ * by rank, the order internal.h documents; the parent releases them in
+ * reverse; the child first marks itself forked, so it never calls CUDA, then
+ * each unit re-initialises its locks. */
 
 volatile int ump__forked;
 
 int ump_is_forked_child(void) { return ump__forked; }
+
+static struct {
+    void (*prepare)(void), (*parent)(void), (*child)(void);
+} fork_hooks[UMP_FORK_RANKS];
+
+void ump__on_fork(enum ump__fork_rank rank, void (*prepare)(void), void (*parent)(void),
+                  void (*child)(void))
+{
+    fork_hooks[rank].prepare = prepare;
+    fork_hooks[rank].parent = parent;
+    fork_hooks[rank].child = child;
+}
+
+static void fork_prepare(void)
+{
+    for (int r = 0; r < UMP_FORK_RANKS; r++)
+        if (fork_hooks[r].prepare)
+            fork_hooks[r].prepare();
+}
+
+static void fork_parent(void)
+{
+    for (int r = UMP_FORK_RANKS - 1; r >= 0; r--)
+        if (fork_hooks[r].parent)
+            fork_hooks[r].parent();
+}
+
+static void fork_child(void)
+{
+    ump__forked = 1;
+    for (int r = UMP_FORK_RANKS - 1; r >= 0; r--)
+        if (fork_hooks[r].child)
+            fork_hooks[r].child();
+}
+
+/* The units register from their own constructors, in any order: the table
+ * is static, and nothing forks while the library is being loaded. */
+__attribute__((constructor)) static void common_init(void)
+{
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}

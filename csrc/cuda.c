@@ -93,6 +93,15 @@ int ump_cuda_load(const char *path)
     return UMP_OK;
 }
 
+static void fork_prepare(void) { pthread_mutex_lock(&load_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&load_lock); }
+static void fork_child(void) { pthread_mutex_init(&load_lock, NULL); }
+
+__attribute__((constructor)) static void cuda_init(void)
+{
+    ump__on_fork(UMP_FORK_CUDA, fork_prepare, fork_parent, fork_child);
+}
+
 int ump_cuda_set_context(uintptr_t ctx, int device)
 {
     ump_ctx = (CUcontext)ctx;

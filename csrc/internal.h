@@ -19,6 +19,23 @@ UMP_HIDDEN int ump__injected_failure(void);
 /* Set in a child after fork(): it must never call CUDA. */
 UMP_HIDDEN extern volatile int ump__forked;
 
+/* Each unit's locks, in the order fork's prepare takes them. A thread never
+ * takes a lock of an earlier rank while it holds one of a later rank, or
+ * prepare could wait on a thread that waits on prepare:
+ *   UMP_FORK_CUDA    cuda.c   the driver loader lock, never held with another
+ *   UMP_FORK_ARENAS  arena.c  thread caches, arena list, registry (rwlock),
+ *                             each arena, fallback set; providers (CUDA) are
+ *                             called with none of them held
+ *   UMP_FORK_POOLS   vmm.c    the pool list, then each pool (held across
+ *                             cuCtxSynchronize); pools never call the arenas
+ * ump_lookup asks the pools only after it has let go of the registry. */
+enum ump__fork_rank { UMP_FORK_CUDA, UMP_FORK_ARENAS, UMP_FORK_POOLS, UMP_FORK_RANKS };
+
+/* Register a unit's handlers (from its constructor). prepare takes every
+ * lock of the unit, parent releases them, child re-initialises them. */
+UMP_HIDDEN void ump__on_fork(enum ump__fork_rank rank, void (*prepare)(void),
+                             void (*parent)(void), void (*child)(void));
+
 /* --- cuda.c: chunk providers and driver calls ---------------------------- */
 
 /* Take `size` bytes (a multiple of the page size) from a provider. Returns

@@ -1401,3 +1401,44 @@ int ump_vmm_destroy(int id)
     pthread_mutex_unlock(&pools_lock);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
+
+/* --- fork ------------------------------------------------------------------
+ * A thread may hold a pool's lock for long (it is held across
+ * cuCtxSynchronize and every mapping step); a child forked meanwhile would
+ * hang on it at its first free or lookup. common.c holds these locks across
+ * fork() (rank UMP_FORK_POOLS). The pool list is stable while pools_lock is
+ * held: pools are created and destroyed under it. */
+
+static void fork_prepare(void)
+{
+    pthread_mutex_lock(&vm_lock);
+    pthread_mutex_lock(&pools_lock);
+    for (int id = 0; id < UMP_MAX_POOLS; id++)
+        if (pools[id].used)
+            pthread_mutex_lock(&pools[id].lock);
+}
+
+static void fork_parent(void)
+{
+    for (int id = UMP_MAX_POOLS - 1; id >= 0; id--)
+        if (pools[id].used)
+            pthread_mutex_unlock(&pools[id].lock);
+    pthread_mutex_unlock(&pools_lock);
+    pthread_mutex_unlock(&vm_lock);
+}
+
+/* The child's only thread is the one that forked: no other holder exists,
+ * so fresh locks are exact. */
+static void fork_child(void)
+{
+    for (int id = 0; id < UMP_MAX_POOLS; id++)
+        if (pools[id].used)
+            pthread_mutex_init(&pools[id].lock, NULL);
+    pthread_mutex_init(&pools_lock, NULL);
+    pthread_mutex_init(&vm_lock, NULL);
+}
+
+__attribute__((constructor)) static void vmm_init(void)
+{
+    ump__on_fork(UMP_FORK_POOLS, fork_prepare, fork_parent, fork_child);
+}
