@@ -720,16 +720,19 @@ void *ump_arena_alloc(int id, size_t size)
     return arena_alloc(a, size, 0);
 }
 
-/* Free a block if it is an arena's. Returns 1 if the pointer was in an arena
- * chunk (freed, or refused as a double/interior free), 0 if not. */
-static int arena_free(void *ptr)
+enum free_result { NOT_IN_ARENA, FREED, REFUSED };
+
+/* Free a block if it is an arena's. REFUSED: the pointer is in an arena chunk
+ * but not a live block's start (a double or interior free), decided under the
+ * registry and arena locks; it is counted and the status set. */
+static enum free_result arena_free(void *ptr)
 {
     uintptr_t p = (uintptr_t)ptr;
     pthread_rwlock_rdlock(&reg_lock);
     chunk_t *c = reg_find(p);
     if (!c) {
         pthread_rwlock_unlock(&reg_lock);
-        return 0;
+        return NOT_IN_ARENA;
     }
     arena_t *a = c->arena;
     int bad = 0;
@@ -759,18 +762,16 @@ static int arena_free(void *ptr)
     if (bad) {
         __atomic_fetch_add(&foreign_frees, 1, __ATOMIC_RELAXED);
         ump__set_status(UMP_ERR_ARG);
+        return REFUSED;
     }
-    return 1;
+    return FREED;
 }
 
 int ump_arena_free(void *ptr)
 {
     if (!ptr)
         return UMP_OK;
-    uint64_t before = ump_foreign_frees();
-    if (!arena_free(ptr) || ump_foreign_frees() != before)
-        return ump__set_status(UMP_ERR_ARG);
-    return UMP_OK;
+    return arena_free(ptr) == FREED ? UMP_OK : ump__set_status(UMP_ERR_ARG);
 }
 
 int ump_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
@@ -996,7 +997,7 @@ void ump_free(void *ptr, size_t size)
         return;
     if (tc_put(ptr))
         return;
-    if (arena_free(ptr))
+    if (arena_free(ptr) != NOT_IN_ARENA)
         return;
     if (fallback_owned(ptr, 1)) {
         free(ptr);
