@@ -49,6 +49,7 @@
 #define NBINS 128      /* 4 bins per power of two of 512-byte units */
 #define MAX_DEVICES 16 /* devices a pool may grant access to */
 #define MAP_AHEAD 16   /* granules of cached handles mapped behind a run */
+#define CUDA_ERROR_OUT_OF_MEMORY 2
 
 typedef unsigned long long cu_handle;
 typedef struct { int type; int id; } cu_location;
@@ -421,6 +422,57 @@ static uint64_t release_cached(pool_t *p, uint64_t keep_below)
     return n;
 }
 
+/* --- transactions ----------------------------------------------------------
+ * Each step of a multi-step mapping registers its own undo before it can be
+ * needed: room in the log is reserved before the step, so recording it never
+ * fails after the step succeeded. Rolling back runs the log backwards. */
+
+typedef struct {
+    enum { UNDO_UNMAP, UNDO_RELEASE } op;
+    int64_t handle;
+} undo_t;
+
+typedef struct {
+    undo_t *steps;
+    size_t n, cap;
+} undo_log_t;
+
+/* Room for `more` steps. */
+static int undo_reserve(undo_log_t *log, size_t more)
+{
+    if (log->n + more <= log->cap)
+        return UMP_OK;
+    size_t cap = log->cap ? log->cap * 2 : 16;
+    while (cap < log->n + more)
+        cap *= 2;
+    undo_t *steps = realloc(log->steps, cap * sizeof *steps);
+    if (!steps)
+        return UMP_ERR_NOMEM;
+    log->steps = steps;
+    log->cap = cap;
+    return UMP_OK;
+}
+
+/* Record a step; undo_reserve made room for it. */
+static void undo_push(undo_log_t *log, int op, int64_t handle)
+{
+    log->steps[log->n].op = op;
+    log->steps[log->n].handle = handle;
+    log->n++;
+}
+
+static void undo_rollback(pool_t *p, undo_log_t *log)
+{
+    while (log->n--) {
+        undo_t *u = &log->steps[log->n];
+        if (u->op == UNDO_UNMAP)
+            handle_unmap(p, u->handle);
+        else
+            handle_drop(p, u->handle);
+    }
+    p->st.rollbacks++;
+}
+
 /* Back granules [g0, g0+k) of a region, all unmapped, with handles and grant
  * access to them. A transaction: on failure every handle mapped here is
  * unmapped again, every handle created here released, and the status
@@ -428,18 +480,18 @@ static uint64_t release_cached(pool_t *p, uint64_t keep_below)
 static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
 {
     region_t *r = region_of(p, region);
-    int64_t done[64];
-    int created[64];
-    int nd = 0, tried_scavenge = 0, pushed;
+    undo_log_t log = {0};
+    int tried_scavenge = 0, pushed;
     int status = ph_enter(p, &pushed);
     uint64_t pos = g0, left = k;
     if (status != UMP_OK)
         return status;
     while (left) {
-        /* The last slot of done[] takes one fresh handle for all the rest. */
-        int last = nd == 63;
-        int64_t i = last ? -1 : cache_take(p, left);
-        int fresh = 0;
+        /* Room for this step's undos: unmap, and release if it is fresh. */
+        status = undo_reserve(&log, 2);
+        if (status != UMP_OK)
+            goto undo;
+        int64_t i = cache_take(p, left);
         if (i < 0 && !tried_scavenge) {
             /* Reuse idle physical memory before asking the driver for more:
              * that keeps what the pool holds close to what it uses. */
@@ -455,7 +507,7 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
              * be scavenged. One handle per run held 14-21 % more memory
              * than the live blocks in a mixed-size workload; halving 4-7 %,
              * one granule per handle 3-4 % at 2.5 times the mappings. */
-            uint64_t n = last ? left : (left + 1) / 2;
+            uint64_t n = (left + 1) / 2;
             /* Cached handles left now are all larger than the run: release
              * them rather than hold them beside new memory. */
             release_cached(p, n);
@@ -468,7 +520,7 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
             status = ph_create(p, n * p->gran, p->device, &h);
             /* Out of device memory: the cached handles this run could not
              * use may make room (idle mappings were scavenged above). */
-            if ((status == 2 /* CUDA_ERROR_OUT_OF_MEMORY */ || status == UMP_ERR_NOMEM) &&
+            if ((status == CUDA_ERROR_OUT_OF_MEMORY || status == UMP_ERR_NOMEM) &&
                 release_cached(p, 0))
                 status = ph_create(p, n * p->gran, p->device, &h);
             if (status != UMP_OK)
@@ -479,17 +531,13 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
                 status = UMP_ERR_NOMEM;
                 goto undo;
             }
-            fresh = 1;
+            undo_push(&log, UNDO_RELEASE, i);
         }
         status = ph_map(p, r->va + pos * p->gran, p->hs[i].ngran * p->gran, p->hs[i].h);
-        if (status != UMP_OK) {
-            if (fresh)
-                handle_drop(p, i);
+        if (status != UMP_OK)
             goto undo;
-        }
         handle_place(p, i, region, pos);
-        done[nd] = i;
-        created[nd++] = fresh;
+        undo_push(&log, UNDO_UNMAP, i);
         pos += p->hs[i].ngran;
         left -= p->hs[i].ngran;
     }
@@ -497,7 +545,7 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
      * behind the run costs no memory, and one set-access (the expensive
      * step) then covers them too; the next blocks placed there need no
      * mapping at all. They stay idle, so scavenging can still take them. */
-    while (region == 0 && pos < g0 + k + MAP_AHEAD && nd < 64) {
+    while (region == 0 && pos < g0 + k + MAP_AHEAD && undo_reserve(&log, 1) == UMP_OK) {
         uint64_t room = 0;
         while (pos + room < g0 + k + MAP_AHEAD && pos + room < r->ngran &&
                r->gh[pos + room] < 0 && p->gref[pos + room] == 0)
@@ -506,25 +554,19 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
         if (i < 0 || ph_map_raw(p, r->va + pos * p->gran, p->hs[i].ngran * p->gran, p->hs[i].h))
             break;
         handle_place(p, i, region, pos);
-        done[nd] = i;
-        created[nd++] = 0;
+        undo_push(&log, UNDO_UNMAP, i);
         pos += p->hs[i].ngran;
     }
     if (ump__injected_failure())
         status = UMP_ERR_INJECTED;
     else
         status = ph_access(p, r->va + g0 * p->gran, (pos - g0) * p->gran);
-    if (status == UMP_OK) {
-        ph_leave(p, pushed);
-        return UMP_OK;
-    }
+    if (status == UMP_OK)
+        goto out;
 undo:
-    while (nd--) {
-        handle_unmap(p, done[nd]);
-        if (created[nd])
-            handle_drop(p, done[nd]);
-    }
-    p->st.rollbacks++;
+    undo_rollback(p, &log);
+out:
+    free(log.steps);
     ph_leave(p, pushed);
     return status;
 }

@@ -241,7 +241,7 @@ static void pool_stress(void)
     CHECK(bp[0] == 0x5a && bp[(40 << 20) - 1] == 0x6b);
     CHECK(ump_vmm_buffer_resize(pool, buf, 1 << 20) == UMP_OK);
 
-    /* A run needing more cached pieces than one mapping records (64). */
+    /* A run of more cached pieces than the undo log's first allocation. */
     uintptr_t one[70];
     for (int i = 0; i < 70; i++)
         CHECK((one[i] = ump_vmm_alloc(pool, 2 << 20, 3)) != 0);
