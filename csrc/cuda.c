@@ -8,27 +8,13 @@
  * can happen on any thread).
  */
 #define _GNU_SOURCE
+#include "cudadrv.h"
 #include "internal.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
 #include <string.h>
 #include <sys/mman.h>
-
-typedef int CUresult;
-typedef uintptr_t CUdeviceptr;
-typedef void *CUcontext;
-typedef void *CUstream;
-typedef struct { int type; int id; } CUmemLocation;
-
-#define CU_MEM_ATTACH_GLOBAL 0x1
-#define CU_MEMHOSTREGISTER_PORTABLE 0x01
-#define CU_MEMHOSTREGISTER_DEVICEMAP 0x02
-#define CU_DEVICE_CPU (-1)
-#define CU_MEM_LOCATION_TYPE_DEVICE 1
-#define CU_MEM_LOCATION_TYPE_HOST 2
-#define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
-#define CU_MEM_ADVISE_SET_ACCESSED_BY 5
 
 static struct {
     void *lib;
@@ -112,7 +98,7 @@ int ump_cuda_set_context(uintptr_t ctx, int device)
 int ump_cuda_error_name(int status, char *buf, size_t len)
 {
     const char *name = ump__status_name(status);
-    if (!name && cu.lib && cu.getErrorName(status, &name) != 0)
+    if (!name && cu.lib && cu.getErrorName(status, &name) != CUDA_SUCCESS)
         name = NULL;
     if (!name)
         name = "CUDA_ERROR_UNKNOWN";
@@ -128,9 +114,9 @@ int ump_cuda_error_name(int status, char *buf, size_t len)
 static int ctx_enter(void)
 {
     CUcontext cur = NULL;
-    if (cu.ctxGetCurrent(&cur) == 0 && cur)
+    if (cu.ctxGetCurrent(&cur) == CUDA_SUCCESS && cur)
         return 0;
-    return ump_ctx && cu.ctxPushCurrent(ump_ctx) == 0;
+    return ump_ctx && cu.ctxPushCurrent(ump_ctx) == CUDA_SUCCESS;
 }
 
 static void ctx_leave(int pushed)
@@ -157,9 +143,9 @@ int ump__cuda_ready(void) { return cuda_ready(); }
 int ump__ctx_push(void *ctx)
 {
     CUcontext cur = NULL;
-    if (!ctx || (cu.ctxGetCurrent(&cur) == 0 && cur == ctx))
+    if (!ctx || (cu.ctxGetCurrent(&cur) == CUDA_SUCCESS && cur == ctx))
         return 0;
-    return cu.ctxPushCurrent(ctx) == 0;
+    return cu.ctxPushCurrent(ctx) == CUDA_SUCCESS;
 }
 
 void ump__ctx_pop(int pushed) { ctx_leave(pushed); }
@@ -197,12 +183,12 @@ int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero)
         } else {
             status = cu.memHostRegister(p, size, CU_MEMHOSTREGISTER_PORTABLE |
                                                       CU_MEMHOSTREGISTER_DEVICEMAP);
-            if (status != 0)
+            if (status != CUDA_SUCCESS)
                 munmap(p, size);
             else
                 *out = p;
         }
-        *fresh_zero = status == 0;
+        *fresh_zero = status == CUDA_SUCCESS;
     }
     ctx_leave(pushed);
     return status;

@@ -38,6 +38,7 @@
  * see half-done.
  */
 #define _GNU_SOURCE
+#include "cudadrv.h"
 #include "internal.h"
 
 #include <pthread.h>
@@ -49,33 +50,17 @@
 #define NBINS 128      /* 4 bins per power of two of 512-byte units */
 #define MAX_DEVICES 16 /* devices a pool may grant access to */
 #define MAP_AHEAD 16   /* granules of cached handles mapped behind a run */
-#define CUDA_ERROR_OUT_OF_MEMORY 2
-
-typedef unsigned long long cu_handle;
-typedef struct { int type; int id; } cu_location;
-typedef struct {
-    int type;                  /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
-    int requestedHandleTypes;  /* 0: no shareable handle */
-    cu_location location;
-    void *win32HandleMetaData;
-    struct {
-        unsigned char compressionType, gpuDirectRDMACapable;
-        unsigned short usage;
-        unsigned char reserved[4];
-    } allocFlags;
-} cu_prop;
-typedef struct { cu_location location; int flags; } cu_access; /* 3: read-write */
 
 static struct {
     int loaded;
     int (*reserve)(uintptr_t *, size_t, size_t, uintptr_t, unsigned long long);
     int (*addr_free)(uintptr_t, size_t);
-    int (*create)(cu_handle *, size_t, const cu_prop *, unsigned long long);
-    int (*release)(cu_handle);
-    int (*map)(uintptr_t, size_t, size_t, cu_handle, unsigned long long);
+    int (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+    int (*release)(CUmemGenericAllocationHandle);
+    int (*map)(uintptr_t, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
     int (*unmap)(uintptr_t, size_t);
-    int (*set_access)(uintptr_t, size_t, const cu_access *, size_t);
-    int (*granularity)(size_t *, const cu_prop *, int);
+    int (*set_access)(uintptr_t, size_t, const CUmemAccessDesc *, size_t);
+    int (*granularity)(size_t *, const CUmemAllocationProp *, int);
     int (*sync)(void);
     int (*copy)(uintptr_t, uintptr_t, size_t);
 } vm;
@@ -182,12 +167,13 @@ static void ph_leave(pool_t *p, int pushed)
         ump__ctx_pop(pushed);
 }
 
-static cu_prop prop_for(int device)
+static CUmemAllocationProp prop_for(int device)
 {
-    cu_prop prop;
+    CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
-    prop.type = 1;
-    prop.location.type = 1; /* CU_MEM_LOCATION_TYPE_DEVICE */
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = device;
     return prop;
 }
@@ -207,8 +193,8 @@ static int ph_create(pool_t *p, uint64_t bytes, int device, uint64_t *out)
         *out = (uint64_t)fd;
         return UMP_OK;
     }
-    cu_prop prop = prop_for(device);
-    cu_handle h = 0;
+    CUmemAllocationProp prop = prop_for(device);
+    CUmemGenericAllocationHandle h = 0;
     int status = vm.create(&h, bytes, &prop, 0);
     *out = h;
     return status;
@@ -252,11 +238,11 @@ static int ph_access(pool_t *p, uintptr_t va, uint64_t bytes)
 {
     if (p->provider == UMP_PROVIDER_HOST)
         return UMP_OK;
-    cu_access desc[MAX_DEVICES];
+    CUmemAccessDesc desc[MAX_DEVICES];
     for (int i = 0; i < p->ndev; i++) {
-        desc[i].location.type = 1;
+        desc[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
         desc[i].location.id = p->devs[i];
-        desc[i].flags = 3;
+        desc[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     }
     return vm.set_access(va, bytes, desc, (size_t)p->ndev);
 }
@@ -808,12 +794,12 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
             status = vm_load();
         if (status != UMP_OK)
             return fail(status);
-        cu_prop prop = prop_for(device);
+        CUmemAllocationProp prop = prop_for(device);
         size_t g = 0;
         int pushed = ump__ctx_push((void *)ctx);
-        status = vm.granularity(&g, &prop, 1 /* recommended */);
+        status = vm.granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
         ump__ctx_pop(pushed);
-        if (status != 0 || g == 0)
+        if (status != CUDA_SUCCESS || g == 0)
             return fail(status ? status : UMP_ERR_ARG);
         gran = g;
     } else {
