@@ -2,6 +2,7 @@
 #ifndef UMP_INTERNAL_H
 #define UMP_INTERNAL_H
 
+#include "cudadrv.h"
 #include "ump.h"
 
 #define UMP_HIDDEN __attribute__((visibility("hidden")))
@@ -47,12 +48,47 @@ UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size);
 /* Advise a new managed chunk to live on the host and be mapped by the GPU. */
 UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
 
-/* CUDA for vmm.c: a driver symbol, whether CUDA may be called (loaded, not
- * a forked child), and making a context current for a few calls. */
-UMP_HIDDEN void *ump__cuda_sym(const char *name);
+/* The driver's entry points, filled once by ump_cuda_load(); call them only
+ * where ump__cuda_ready() says UMP_OK. `vmm`: the VMM entry points exist. */
+typedef struct {
+    void *lib;
+    int vmm;
+    CUresult (*memAllocManaged)(CUdeviceptr *, size_t, unsigned);
+    CUresult (*memFree)(CUdeviceptr);
+    CUresult (*memHostRegister)(void *, size_t, unsigned);
+    CUresult (*memHostUnregister)(void *);
+    CUresult (*ctxGetCurrent)(CUcontext *);
+    CUresult (*ctxPushCurrent)(CUcontext);
+    CUresult (*ctxPopCurrent)(CUcontext *);
+    CUresult (*ctxSynchronize)(void);
+    CUresult (*getErrorName)(CUresult, const char **);
+    /* CUDA 12.2 added the CUmemLocation forms; CUDA 13 keeps only those
+     * under the plain names, so prefer the _v2 symbols and fall back. */
+    CUresult (*prefetch_v2)(CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream);
+    CUresult (*prefetch_v1)(CUdeviceptr, size_t, int, CUstream);
+    CUresult (*advise_v2)(CUdeviceptr, size_t, int, CUmemLocation);
+    CUresult (*advise_v1)(CUdeviceptr, size_t, int, int);
+    CUresult (*memAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*memAddressFree)(CUdeviceptr, size_t);
+    CUresult (*memCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                          unsigned long long);
+    CUresult (*memRelease)(CUmemGenericAllocationHandle);
+    CUresult (*memMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+    CUresult (*memUnmap)(CUdeviceptr, size_t);
+    CUresult (*memSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*memGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+    CUresult (*memcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
+} ump__driver_t;
+
+UMP_HIDDEN extern ump__driver_t ump__cu;
+
+/* UMP_OK if CUDA may be called: loaded, and not in a forked child. */
 UMP_HIDDEN int ump__cuda_ready(void);
-UMP_HIDDEN int ump__ctx_push(void *ctx);
-UMP_HIDDEN void ump__ctx_pop(int pushed);
+/* Make a context current for a few driver calls: `ctx`, or for NULL any
+ * context the thread has, else ump's (NumPy allocates on any thread, which
+ * may have none). Returns whether one was pushed, for ump__ctx_leave(). */
+UMP_HIDDEN int ump__ctx_enter(void *ctx);
+UMP_HIDDEN void ump__ctx_leave(int pushed);
 
 /* --- vmm.c -------------------------------------------------------------- */
 

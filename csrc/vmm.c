@@ -38,7 +38,6 @@
  * see half-done.
  */
 #define _GNU_SOURCE
-#include "cudadrv.h"
 #include "internal.h"
 
 #include <pthread.h>
@@ -50,43 +49,6 @@
 #define NBINS 128      /* 4 bins per power of two of 512-byte units */
 #define MAX_DEVICES 16 /* devices a pool may grant access to */
 #define MAP_AHEAD 16   /* granules of cached handles mapped behind a run */
-
-static struct {
-    int loaded;
-    int (*reserve)(uintptr_t *, size_t, size_t, uintptr_t, unsigned long long);
-    int (*addr_free)(uintptr_t, size_t);
-    int (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
-    int (*release)(CUmemGenericAllocationHandle);
-    int (*map)(uintptr_t, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
-    int (*unmap)(uintptr_t, size_t);
-    int (*set_access)(uintptr_t, size_t, const CUmemAccessDesc *, size_t);
-    int (*granularity)(size_t *, const CUmemAllocationProp *, int);
-    int (*sync)(void);
-    int (*copy)(uintptr_t, uintptr_t, size_t);
-} vm;
-static pthread_mutex_t vm_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static int vm_load(void)
-{
-    pthread_mutex_lock(&vm_lock);
-    if (!vm.loaded) {
-        *(void **)&vm.reserve = ump__cuda_sym("cuMemAddressReserve");
-        *(void **)&vm.addr_free = ump__cuda_sym("cuMemAddressFree");
-        *(void **)&vm.create = ump__cuda_sym("cuMemCreate");
-        *(void **)&vm.release = ump__cuda_sym("cuMemRelease");
-        *(void **)&vm.map = ump__cuda_sym("cuMemMap");
-        *(void **)&vm.unmap = ump__cuda_sym("cuMemUnmap");
-        *(void **)&vm.set_access = ump__cuda_sym("cuMemSetAccess");
-        *(void **)&vm.granularity = ump__cuda_sym("cuMemGetAllocationGranularity");
-        *(void **)&vm.sync = ump__cuda_sym("cuCtxSynchronize");
-        *(void **)&vm.copy = ump__cuda_sym("cuMemcpyDtoD_v2");
-        vm.loaded = vm.reserve && vm.addr_free && vm.create && vm.release && vm.map &&
-                    vm.unmap && vm.set_access && vm.granularity && vm.sync && vm.copy;
-    }
-    int ok = vm.loaded;
-    pthread_mutex_unlock(&vm_lock);
-    return ok ? UMP_OK : UMP_ERR_NOCUDA;
-}
 
 /* --- data structures ----------------------------------------------------- */
 
@@ -157,14 +119,14 @@ static int ph_enter(pool_t *p, int *pushed)
         return UMP_OK;
     int status = ump__cuda_ready();
     if (status == UMP_OK)
-        *pushed = ump__ctx_push(p->ctx);
+        *pushed = ump__ctx_enter(p->ctx);
     return status;
 }
 
 static void ph_leave(pool_t *p, int pushed)
 {
     if (p->provider != UMP_PROVIDER_HOST)
-        ump__ctx_pop(pushed);
+        ump__ctx_leave(pushed);
 }
 
 static CUmemAllocationProp prop_for(int device)
@@ -195,7 +157,7 @@ static int ph_create(pool_t *p, uint64_t bytes, int device, uint64_t *out)
     }
     CUmemAllocationProp prop = prop_for(device);
     CUmemGenericAllocationHandle h = 0;
-    int status = vm.create(&h, bytes, &prop, 0);
+    int status = ump__cu.memCreate(&h, bytes, &prop, 0);
     *out = h;
     return status;
 }
@@ -205,7 +167,7 @@ static void ph_release(pool_t *p, uint64_t h)
     if (p->provider == UMP_PROVIDER_HOST)
         close((int)h);
     else
-        vm.release(h);
+        ump__cu.memRelease(h);
 }
 
 static int ph_map_raw(pool_t *p, uintptr_t va, uint64_t bytes, uint64_t h)
@@ -214,7 +176,7 @@ static int ph_map_raw(pool_t *p, uintptr_t va, uint64_t bytes, uint64_t h)
         void *m = mmap((void *)va, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, (int)h, 0);
         return m == MAP_FAILED ? UMP_ERR_NOMEM : UMP_OK;
     }
-    return vm.map(va, bytes, 0, h, 0);
+    return ump__cu.memMap(va, bytes, 0, h, 0);
 }
 
 static int ph_map(pool_t *p, uintptr_t va, uint64_t bytes, uint64_t h)
@@ -230,7 +192,7 @@ static int ph_unmap(pool_t *p, uintptr_t va, uint64_t bytes)
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
         return m == MAP_FAILED ? UMP_ERR_NOMEM : UMP_OK;
     }
-    return vm.unmap(va, bytes);
+    return ump__cu.memUnmap(va, bytes);
 }
 
 /* Every mapping starts inaccessible: grant each device of the pool access. */
@@ -244,14 +206,14 @@ static int ph_access(pool_t *p, uintptr_t va, uint64_t bytes)
         desc[i].location.id = p->devs[i];
         desc[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     }
-    return vm.set_access(va, bytes, desc, (size_t)p->ndev);
+    return ump__cu.memSetAccess(va, bytes, desc, (size_t)p->ndev);
 }
 
 static int ph_sync(pool_t *p)
 {
     int pushed, status = ph_enter(p, &pushed);
     if (status == UMP_OK && p->provider != UMP_PROVIDER_HOST)
-        status = vm.sync();
+        status = ump__cu.ctxSynchronize();
     ph_leave(p, pushed);
     return status;
 }
@@ -263,7 +225,7 @@ static int ph_reserve(pool_t *p, uint64_t bytes, uintptr_t *va)
         *va = m == MAP_FAILED ? 0 : (uintptr_t)m;
         return *va ? UMP_OK : UMP_ERR_NOMEM;
     }
-    return vm.reserve(va, bytes, p->gran, 0, 0);
+    return ump__cu.memAddressReserve(va, bytes, p->gran, 0, 0);
 }
 
 static void ph_unreserve(pool_t *p, uintptr_t va, uint64_t bytes)
@@ -271,7 +233,7 @@ static void ph_unreserve(pool_t *p, uintptr_t va, uint64_t bytes)
     if (p->provider == UMP_PROVIDER_HOST)
         munmap((void *)va, bytes);
     else
-        vm.addr_free(va, bytes);
+        ump__cu.memAddressFree(va, bytes);
 }
 
 static int ph_copy(pool_t *p, uintptr_t dst, uintptr_t src, uint64_t bytes)
@@ -280,7 +242,7 @@ static int ph_copy(pool_t *p, uintptr_t dst, uintptr_t src, uint64_t bytes)
         memcpy((void *)dst, (const void *)src, bytes);
         return UMP_OK;
     }
-    return vm.copy(dst, src, bytes);
+    return ump__cu.memcpyDtoD(dst, src, bytes);
 }
 
 /* --- handles --------------------------------------------------------------- */
@@ -790,15 +752,15 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
     uint64_t gran;
     if (provider == UMP_PROVIDER_DEVICE) {
         int status = ump__cuda_ready();
-        if (status == UMP_OK)
-            status = vm_load();
+        if (status == UMP_OK && !ump__cu.vmm)
+            status = UMP_ERR_NOCUDA; /* a driver without the VMM API */
         if (status != UMP_OK)
             return fail(status);
         CUmemAllocationProp prop = prop_for(device);
         size_t g = 0;
-        int pushed = ump__ctx_push((void *)ctx);
-        status = vm.granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
-        ump__ctx_pop(pushed);
+        int pushed = ump__ctx_enter((void *)ctx);
+        status = ump__cu.memGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+        ump__ctx_leave(pushed);
         if (status != CUDA_SUCCESS || g == 0)
             return fail(status ? status : UMP_ERR_ARG);
         gran = g;
@@ -1439,7 +1401,6 @@ int ump_vmm_destroy(int id)
 
 static void fork_prepare(void)
 {
-    pthread_mutex_lock(&vm_lock);
     pthread_mutex_lock(&pools_lock);
     for (int id = 0; id < UMP_MAX_POOLS; id++)
         if (pools[id].used)
@@ -1452,7 +1413,6 @@ static void fork_parent(void)
         if (pools[id].used)
             pthread_mutex_unlock(&pools[id].lock);
     pthread_mutex_unlock(&pools_lock);
-    pthread_mutex_unlock(&vm_lock);
 }
 
 /* The child's only thread is the one that forked: no other holder exists,
@@ -1463,7 +1423,6 @@ static void fork_child(void)
         if (pools[id].used)
             pthread_mutex_init(&pools[id].lock, NULL);
     pthread_mutex_init(&pools_lock, NULL);
-    pthread_mutex_init(&vm_lock, NULL);
 }
 
 __attribute__((constructor)) static void vmm_init(void)
