@@ -1,5 +1,5 @@
 /*
- * arena.c - size-class arenas over large chunks, the pointer registry, the
+ * arena.c - size-class arenas over large chunks, the registry of its chunks, the
  * plain aligned fallback, and the NEP 49 hooks NumPy calls.
  *
  * Layout. Requests up to 1 MiB are served from slabs: a chunk of one size
@@ -774,15 +774,14 @@ int ump_arena_free(void *ptr)
     return arena_free(ptr) == FREED ? UMP_OK : ump__set_status(UMP_ERR_ARG);
 }
 
-int ump_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
+int ump__arena_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
 {
     int kind = UMP_KIND_NONE;
-    uintptr_t b = 0;
-    uint64_t s = 0;
-    int id = -1;
     pthread_rwlock_rdlock(&reg_lock);
     chunk_t *c = reg_find(p);
     if (c) {
+        uintptr_t b = 0;
+        uint64_t s = 0;
         if (c->cls >= 0) {
             uint32_t idx = (uint32_t)((p - c->base) / c->block);
             uint64_t word = __atomic_load_n(&c->live[idx / 64], __ATOMIC_RELAXED);
@@ -797,22 +796,12 @@ int ump_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
         }
         if (s) {
             kind = c->arena->kind;
-            id = c->arena->id;
+            *base = b;
+            *size = s;
+            *arena = c->arena->id;
         }
     }
     pthread_rwlock_unlock(&reg_lock);
-    if (kind == UMP_KIND_NONE) {
-        /* Pool ids follow arena ids, so one number names either. */
-        kind = ump__vmm_lookup(p, &b, &s, &id);
-        if (kind != UMP_KIND_NONE)
-            id += UMP_MAX_ARENAS;
-    }
-    if (base)
-        *base = b;
-    if (size)
-        *size = s;
-    if (arena)
-        *arena = id;
     return kind;
 }
 

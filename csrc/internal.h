@@ -29,7 +29,7 @@ UMP_HIDDEN extern volatile int ump__forked;
  *                             called with none of them held
  *   UMP_FORK_POOLS   vmm.c    the pool list, then each pool (held across
  *                             cuCtxSynchronize); pools never call the arenas
- * ump_lookup asks the pools only after it has let go of the registry. */
+ * ump_lookup asks the pools only after the arenas have let go of the registry. */
 enum ump__fork_rank { UMP_FORK_CUDA, UMP_FORK_ARENAS, UMP_FORK_POOLS, UMP_FORK_RANKS };
 
 /* Register a unit's handlers (from its constructor). prepare takes every
@@ -90,9 +90,12 @@ UMP_HIDDEN int ump__cuda_ready(void);
 UMP_HIDDEN int ump__ctx_enter(void *ctx);
 UMP_HIDDEN void ump__ctx_leave(int pushed);
 
-/* --- vmm.c -------------------------------------------------------------- */
+/* --- owners of memory, asked by ump_lookup() (lookup.c) ------------------ */
 
-/* Pool blocks and buffers for ump_lookup(). */
+/* The kind of the live block holding ptr, with its base, size and owner's
+ * id (outputs written only on a hit), or UMP_KIND_NONE. Each takes its own
+ * locks and holds none on return. */
+UMP_HIDDEN int ump__arena_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *arena);
 UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool);
 
 #endif

@@ -1302,9 +1302,9 @@ int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
     return dev;
 }
 
-/* --- registry -------------------------------------------------------------- */
+/* --- lookup (for ump_lookup, lookup.c) ------------------------------------ */
 
-UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
+int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
 {
     if (!__atomic_load_n(&n_pools_used, __ATOMIC_ACQUIRE))
         return UMP_KIND_NONE;
@@ -1315,7 +1315,7 @@ UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, i
         if (!p->used || p->destroyed)
             continue;
         pthread_mutex_lock(&p->lock);
-        int region;
+        int region, found = 0;
         region_t *r = region_at(p, ptr, &region);
         if (r && region == 0) {
             size_t i = live_find(p, ptr - r->va + 1);
@@ -1324,15 +1324,15 @@ UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, i
                 if (ptr < r->va + b->off + b->size) {
                     *base = r->va + b->off;
                     *size = b->size;
-                    kind = 1;
+                    found = 1;
                 }
             }
         } else if (r && ptr < r->va + r->size) {
             *base = r->va;
             *size = r->size;
-            kind = 1;
+            found = 1;
         }
-        if (kind) {
+        if (found) {
             kind = p->provider == UMP_PROVIDER_HOST ? UMP_KIND_HOST : UMP_KIND_DEVICE;
             *pool = id;
         }
