@@ -1,5 +1,5 @@
 /*
- * arena.c - size-class arenas over large chunks, the pointer registry, the
+ * arena.c - size-class arenas over large chunks, the registry of its chunks, the
  * plain aligned fallback, and the NEP 49 hooks NumPy calls.
  *
  * Layout. Requests up to 1 MiB are served from slabs: a chunk of one size
@@ -69,15 +69,7 @@ static chunk_t **reg;
 static size_t reg_n, reg_cap;
 static uint64_t foreign_frees;
 
-static __thread int last_status;
-
-volatile int ump__forked;
-
-int ump__set_status(int status) { last_status = status; return status; }
-int ump_last_status(void) { return last_status; }
-int ump_abi_version(void) { return UMP_ABI_VERSION; }
 uint64_t ump_foreign_frees(void) { return __atomic_load_n(&foreign_frees, __ATOMIC_RELAXED); }
-int ump_is_forked_child(void) { return ump__forked; }
 
 static size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
 
@@ -107,29 +99,6 @@ static size_t slab_bytes(size_t block)
 {
     size_t want = block * SLAB_MIN_SLOTS;
     return want < SLAB_MIN ? SLAB_MIN : round_up(want, SLAB_MIN);
-}
-
-/* --- fault injection ----------------------------------------------------- */
-
-static int64_t inject_after, inject_count;
-
-void ump_fault_inject(int64_t after, int64_t count)
-{
-    __atomic_store_n(&inject_after, after, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&inject_count, count, __ATOMIC_SEQ_CST);
-}
-
-int ump__injected_failure(void)
-{
-    if (__atomic_load_n(&inject_count, __ATOMIC_SEQ_CST) == 0)
-        return 0;
-    if (__atomic_fetch_sub(&inject_after, 1, __ATOMIC_SEQ_CST) > 0)
-        return 0;
-    __atomic_store_n(&inject_after, 0, __ATOMIC_SEQ_CST);
-    int64_t left = __atomic_load_n(&inject_count, __ATOMIC_SEQ_CST);
-    if (left > 0)
-        __atomic_fetch_sub(&inject_count, 1, __ATOMIC_SEQ_CST);
-    return 1;
 }
 
 /* --- registry ------------------------------------------------------------ */
@@ -751,16 +720,19 @@ void *ump_arena_alloc(int id, size_t size)
     return arena_alloc(a, size, 0);
 }
 
-/* Free a block if it is an arena's. Returns 1 if the pointer was in an arena
- * chunk (freed, or refused as a double/interior free), 0 if not. */
-static int arena_free(void *ptr)
+enum free_result { NOT_IN_ARENA, FREED, REFUSED };
+
+/* Free a block if it is an arena's. REFUSED: the pointer is in an arena chunk
+ * but not a live block's start (a double or interior free), decided under the
+ * registry and arena locks; it is counted and the status set. */
+static enum free_result arena_free(void *ptr)
 {
     uintptr_t p = (uintptr_t)ptr;
     pthread_rwlock_rdlock(&reg_lock);
     chunk_t *c = reg_find(p);
     if (!c) {
         pthread_rwlock_unlock(&reg_lock);
-        return 0;
+        return NOT_IN_ARENA;
     }
     arena_t *a = c->arena;
     int bad = 0;
@@ -790,29 +762,26 @@ static int arena_free(void *ptr)
     if (bad) {
         __atomic_fetch_add(&foreign_frees, 1, __ATOMIC_RELAXED);
         ump__set_status(UMP_ERR_ARG);
+        return REFUSED;
     }
-    return 1;
+    return FREED;
 }
 
 int ump_arena_free(void *ptr)
 {
     if (!ptr)
         return UMP_OK;
-    uint64_t before = ump_foreign_frees();
-    if (!arena_free(ptr) || ump_foreign_frees() != before)
-        return ump__set_status(UMP_ERR_ARG);
-    return UMP_OK;
+    return arena_free(ptr) == FREED ? UMP_OK : ump__set_status(UMP_ERR_ARG);
 }
 
-int ump_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
+int ump__arena_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
 {
     int kind = UMP_KIND_NONE;
-    uintptr_t b = 0;
-    uint64_t s = 0;
-    int id = -1;
     pthread_rwlock_rdlock(&reg_lock);
     chunk_t *c = reg_find(p);
     if (c) {
+        uintptr_t b = 0;
+        uint64_t s = 0;
         if (c->cls >= 0) {
             uint32_t idx = (uint32_t)((p - c->base) / c->block);
             uint64_t word = __atomic_load_n(&c->live[idx / 64], __ATOMIC_RELAXED);
@@ -827,22 +796,12 @@ int ump_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
         }
         if (s) {
             kind = c->arena->kind;
-            id = c->arena->id;
+            *base = b;
+            *size = s;
+            *arena = c->arena->id;
         }
     }
     pthread_rwlock_unlock(&reg_lock);
-    if (kind == UMP_KIND_NONE) {
-        /* Pool ids follow arena ids, so one number names either. */
-        kind = ump__vmm_lookup(p, &b, &s, &id);
-        if (kind != UMP_KIND_NONE)
-            id += UMP_MAX_ARENAS;
-    }
-    if (base)
-        *base = b;
-    if (size)
-        *size = s;
-    if (arena)
-        *arena = id;
     return kind;
 }
 
@@ -1027,7 +986,7 @@ void ump_free(void *ptr, size_t size)
         return;
     if (tc_put(ptr))
         return;
-    if (arena_free(ptr))
+    if (arena_free(ptr) != NOT_IN_ARENA)
         return;
     if (fallback_owned(ptr, 1)) {
         free(ptr);
@@ -1089,8 +1048,7 @@ void *ump_realloc(void *ptr, size_t size)
 /* --- fork ---------------------------------------------------------------
  * A child must not call CUDA; it keeps its inherited blocks usable (freeing
  * them only updates metadata) and serves new NumPy arrays from plain memory.
- * The locks are held across fork() so the child never inherits one held by a
- * thread that does not exist there. */
+ * common.c holds these locks across fork() (rank UMP_FORK_ARENAS). */
 
 static void atfork_prepare(void)
 {
@@ -1117,7 +1075,6 @@ static void atfork_child(void)
     /* glibc's rwlock remembers the writer's thread id, which differs in the
      * child: unlocking would corrupt it. The child has one thread and no
      * other holder, so fresh locks are exact. */
-    ump__forked = 1;
     pthread_mutex_init(&tc_list_lock, NULL);
     tc_list = NULL;
     if (tc.registered) {
@@ -1134,5 +1091,5 @@ static void atfork_child(void)
 __attribute__((constructor)) static void ump_init(void)
 {
     pthread_key_create(&tc_key, tc_thread_exit);
-    pthread_atfork(atfork_prepare, atfork_release, atfork_child);
+    ump__on_fork(UMP_FORK_ARENAS, atfork_prepare, atfork_release, atfork_child);
 }

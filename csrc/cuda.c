@@ -15,49 +15,20 @@
 #include <string.h>
 #include <sys/mman.h>
 
-typedef int CUresult;
-typedef uintptr_t CUdeviceptr;
-typedef void *CUcontext;
-typedef void *CUstream;
-typedef struct { int type; int id; } CUmemLocation;
-
-#define CU_MEM_ATTACH_GLOBAL 0x1
-#define CU_MEMHOSTREGISTER_PORTABLE 0x01
-#define CU_MEMHOSTREGISTER_DEVICEMAP 0x02
-#define CU_DEVICE_CPU (-1)
-#define CU_MEM_LOCATION_TYPE_DEVICE 1
-#define CU_MEM_LOCATION_TYPE_HOST 2
-#define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
-#define CU_MEM_ADVISE_SET_ACCESSED_BY 5
-
-static struct {
-    void *lib;
-    CUresult (*memAllocManaged)(CUdeviceptr *, size_t, unsigned);
-    CUresult (*memFree)(CUdeviceptr);
-    CUresult (*memHostRegister)(void *, size_t, unsigned);
-    CUresult (*memHostUnregister)(void *);
-    CUresult (*ctxGetCurrent)(CUcontext *);
-    CUresult (*ctxPushCurrent)(CUcontext);
-    CUresult (*ctxPopCurrent)(CUcontext *);
-    CUresult (*getErrorName)(CUresult, const char **);
-    /* CUDA 12.2 added the CUmemLocation forms; CUDA 13 keeps only those
-     * under the plain names, so prefer the _v2 symbols and fall back. */
-    CUresult (*prefetch_v2)(CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream);
-    CUresult (*prefetch_v1)(CUdeviceptr, size_t, int, CUstream);
-    CUresult (*advise_v2)(CUdeviceptr, size_t, int, CUmemLocation);
-    CUresult (*advise_v1)(CUdeviceptr, size_t, int, int);
-} cu;
+/* One table for every unit: its entries are written under load_lock before
+ * `lib` is published, and never change after. */
+ump__driver_t ump__cu;
 
 static CUcontext ump_ctx;
 static int ump_device;
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 
-#define LOAD(field, name) (*(void **)&cu.field = dlsym(lib, name))
+#define LOAD(field, name) (*(void **)&ump__cu.field = dlsym(lib, name))
 
 int ump_cuda_load(const char *path)
 {
     pthread_mutex_lock(&load_lock);
-    if (cu.lib) {
+    if (ump__cu.lib) {
         pthread_mutex_unlock(&load_lock);
         return UMP_OK;
     }
@@ -76,21 +47,44 @@ int ump_cuda_load(const char *path)
     LOAD(getErrorName, "cuGetErrorName");
     LOAD(prefetch_v2, "cuMemPrefetchAsync_v2");
     LOAD(advise_v2, "cuMemAdvise_v2");
-    if (!cu.prefetch_v2)
+    if (!ump__cu.prefetch_v2)
         LOAD(prefetch_v1, "cuMemPrefetchAsync");
-    if (!cu.advise_v2)
+    if (!ump__cu.advise_v2)
         LOAD(advise_v1, "cuMemAdvise");
-    if (!cu.memAllocManaged || !cu.memFree || !cu.memHostRegister ||
-        !cu.memHostUnregister || !cu.ctxGetCurrent || !cu.ctxPushCurrent ||
-        !cu.ctxPopCurrent || !cu.getErrorName) {
-        memset(&cu, 0, sizeof cu);
+    LOAD(memAddressReserve, "cuMemAddressReserve");
+    LOAD(memAddressFree, "cuMemAddressFree");
+    LOAD(memCreate, "cuMemCreate");
+    LOAD(memRelease, "cuMemRelease");
+    LOAD(memMap, "cuMemMap");
+    LOAD(memUnmap, "cuMemUnmap");
+    LOAD(memSetAccess, "cuMemSetAccess");
+    LOAD(memGetAllocationGranularity, "cuMemGetAllocationGranularity");
+    LOAD(ctxSynchronize, "cuCtxSynchronize");
+    LOAD(memcpyDtoD, "cuMemcpyDtoD_v2");
+    ump__cu.vmm = ump__cu.memAddressReserve && ump__cu.memAddressFree && ump__cu.memCreate &&
+                  ump__cu.memRelease && ump__cu.memMap && ump__cu.memUnmap &&
+                  ump__cu.memSetAccess && ump__cu.memGetAllocationGranularity &&
+                  ump__cu.ctxSynchronize && ump__cu.memcpyDtoD;
+    if (!ump__cu.memAllocManaged || !ump__cu.memFree || !ump__cu.memHostRegister ||
+        !ump__cu.memHostUnregister || !ump__cu.ctxGetCurrent || !ump__cu.ctxPushCurrent ||
+        !ump__cu.ctxPopCurrent || !ump__cu.getErrorName) {
+        memset(&ump__cu, 0, sizeof ump__cu);
         dlclose(lib);
         pthread_mutex_unlock(&load_lock);
         return ump__set_status(UMP_ERR_NOCUDA);
     }
-    cu.lib = lib;
+    __atomic_store_n(&ump__cu.lib, lib, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&load_lock);
     return UMP_OK;
+}
+
+static void fork_prepare(void) { pthread_mutex_lock(&load_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&load_lock); }
+static void fork_child(void) { pthread_mutex_init(&load_lock, NULL); }
+
+__attribute__((constructor)) static void cuda_init(void)
+{
+    ump__on_fork(UMP_FORK_CUDA, fork_prepare, fork_parent, fork_child);
 }
 
 int ump_cuda_set_context(uintptr_t ctx, int device)
@@ -102,18 +96,9 @@ int ump_cuda_set_context(uintptr_t ctx, int device)
 
 int ump_cuda_error_name(int status, char *buf, size_t len)
 {
-    const char *name = NULL;
-    switch (status) {
-    case UMP_ERR_NOMEM: name = "UMP_ERR_NOMEM"; break;
-    case UMP_ERR_CAP: name = "UMP_ERR_CAP"; break;
-    case UMP_ERR_NOCUDA: name = "UMP_ERR_NOCUDA"; break;
-    case UMP_ERR_FORKED: name = "UMP_ERR_FORKED"; break;
-    case UMP_ERR_ARG: name = "UMP_ERR_ARG"; break;
-    case UMP_ERR_INJECTED: name = "UMP_ERR_INJECTED"; break;
-    default:
-        if (cu.lib && cu.getErrorName(status, &name) != 0)
-            name = NULL;
-    }
+    const char *name = ump__status_name(status);
+    if (!name && ump__cu.lib && ump__cu.getErrorName(status, &name) != CUDA_SUCCESS)
+        name = NULL;
     if (!name)
         name = "CUDA_ERROR_UNKNOWN";
     if (buf && len) {
@@ -123,46 +108,33 @@ int ump_cuda_error_name(int status, char *buf, size_t len)
     return UMP_OK;
 }
 
-/* Run CUDA calls with ump's context current: the calling thread may have
- * none (NumPy allocates on any thread). Returns 1 if a context was pushed. */
-static int ctx_enter(void)
+int ump__ctx_enter(void *ctx)
 {
     CUcontext cur = NULL;
-    if (cu.ctxGetCurrent(&cur) == 0 && cur)
+    int has = ump__cu.ctxGetCurrent(&cur) == CUDA_SUCCESS && cur;
+    if (!ctx) {
+        if (has)
+            return 0;
+        ctx = ump_ctx;
+    }
+    if (!ctx || (has && cur == ctx))
         return 0;
-    return ump_ctx && cu.ctxPushCurrent(ump_ctx) == 0;
+    return ump__cu.ctxPushCurrent(ctx) == CUDA_SUCCESS;
 }
 
-static void ctx_leave(int pushed)
+void ump__ctx_leave(int pushed)
 {
     CUcontext dummy;
     if (pushed)
-        cu.ctxPopCurrent(&dummy);
+        ump__cu.ctxPopCurrent(&dummy);
 }
 
-static int cuda_ready(void)
+int ump__cuda_ready(void)
 {
     if (ump__forked)
         return UMP_ERR_FORKED;
-    return cu.lib ? UMP_OK : UMP_ERR_NOCUDA;
+    return __atomic_load_n(&ump__cu.lib, __ATOMIC_ACQUIRE) ? UMP_OK : UMP_ERR_NOCUDA;
 }
-
-void *ump__cuda_sym(const char *name)
-{
-    return cu.lib ? dlsym(cu.lib, name) : NULL;
-}
-
-int ump__cuda_ready(void) { return cuda_ready(); }
-
-int ump__ctx_push(void *ctx)
-{
-    CUcontext cur = NULL;
-    if (!ctx || (cu.ctxGetCurrent(&cur) == 0 && cur == ctx))
-        return 0;
-    return cu.ctxPushCurrent(ctx) == 0;
-}
-
-void ump__ctx_pop(int pushed) { ctx_leave(pushed); }
 
 static void *map_host(size_t size)
 {
@@ -179,13 +151,13 @@ int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero)
         *fresh_zero = 1;
         return *out ? UMP_OK : UMP_ERR_NOMEM;
     }
-    int status = cuda_ready();
+    int status = ump__cuda_ready();
     if (status != UMP_OK)
         return status;
-    int pushed = ctx_enter();
+    int pushed = ump__ctx_enter(NULL);
     if (provider == UMP_PROVIDER_MANAGED) {
         CUdeviceptr d = 0;
-        status = cu.memAllocManaged(&d, size, CU_MEM_ATTACH_GLOBAL);
+        status = ump__cu.memAllocManaged(&d, size, CU_MEM_ATTACH_GLOBAL);
         *out = (void *)d;
     } else {
         /* The system path plus registration: with
@@ -195,16 +167,16 @@ int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero)
         if (!p) {
             status = UMP_ERR_NOMEM;
         } else {
-            status = cu.memHostRegister(p, size, CU_MEMHOSTREGISTER_PORTABLE |
+            status = ump__cu.memHostRegister(p, size, CU_MEMHOSTREGISTER_PORTABLE |
                                                       CU_MEMHOSTREGISTER_DEVICEMAP);
-            if (status != 0)
+            if (status != CUDA_SUCCESS)
                 munmap(p, size);
             else
                 *out = p;
         }
-        *fresh_zero = status == 0;
+        *fresh_zero = status == CUDA_SUCCESS;
     }
-    ctx_leave(pushed);
+    ump__ctx_leave(pushed);
     return status;
 }
 
@@ -212,18 +184,18 @@ int ump__provider_free(int provider, void *ptr, size_t size)
 {
     if (provider == UMP_PROVIDER_HOST)
         return munmap(ptr, size) == 0 ? UMP_OK : UMP_ERR_ARG;
-    int status = cuda_ready();
+    int status = ump__cuda_ready();
     if (status != UMP_OK)
         return status; /* after fork: leak rather than call CUDA */
-    int pushed = ctx_enter();
+    int pushed = ump__ctx_enter(NULL);
     if (provider == UMP_PROVIDER_MANAGED) {
         /* cuMemFree synchronises the device, so no kernel still uses it. */
-        status = cu.memFree((CUdeviceptr)ptr);
+        status = ump__cu.memFree((CUdeviceptr)ptr);
     } else {
-        status = cu.memHostUnregister(ptr);
+        status = ump__cu.memHostUnregister(ptr);
         munmap(ptr, size);
     }
-    ctx_leave(pushed);
+    ump__ctx_leave(pushed);
     return status;
 }
 
@@ -237,48 +209,48 @@ static CUmemLocation location(int device)
 
 static int advise(uintptr_t ptr, uint64_t size, int advice, int device)
 {
-    if (cu.advise_v2)
-        return cu.advise_v2(ptr, size, advice, location(device));
-    if (cu.advise_v1)
-        return cu.advise_v1(ptr, size, advice, device < 0 ? CU_DEVICE_CPU : device);
+    if (ump__cu.advise_v2)
+        return ump__cu.advise_v2(ptr, size, advice, location(device));
+    if (ump__cu.advise_v1)
+        return ump__cu.advise_v1(ptr, size, advice, device < 0 ? CU_DEVICE_CPU : device);
     return UMP_ERR_NOCUDA;
 }
 
 void ump__advise_host(void *ptr, size_t size)
 {
-    if (cuda_ready() != UMP_OK)
+    if (ump__cuda_ready() != UMP_OK)
         return;
-    int pushed = ctx_enter();
+    int pushed = ump__ctx_enter(NULL);
     /* Pages stay in host memory and the GPU maps them over the link: for data
      * the GPU touches once this beats any migration (see docs/backends.md). */
     advise((uintptr_t)ptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, -1);
     advise((uintptr_t)ptr, size, CU_MEM_ADVISE_SET_ACCESSED_BY, ump_device);
-    ctx_leave(pushed);
+    ump__ctx_leave(pushed);
 }
 
 int ump_advise(uintptr_t ptr, uint64_t size, int advice, int device)
 {
-    int status = cuda_ready();
+    int status = ump__cuda_ready();
     if (status != UMP_OK)
         return ump__set_status(status);
-    int pushed = ctx_enter();
+    int pushed = ump__ctx_enter(NULL);
     status = advise(ptr, size, advice, device);
-    ctx_leave(pushed);
+    ump__ctx_leave(pushed);
     return status ? ump__set_status(status) : UMP_OK;
 }
 
 int ump_prefetch(uintptr_t ptr, uint64_t size, int device, uintptr_t stream)
 {
-    int status = cuda_ready();
+    int status = ump__cuda_ready();
     if (status != UMP_OK)
         return ump__set_status(status);
-    int pushed = ctx_enter();
-    if (cu.prefetch_v2)
-        status = cu.prefetch_v2(ptr, size, location(device), 0, (CUstream)stream);
-    else if (cu.prefetch_v1)
-        status = cu.prefetch_v1(ptr, size, device < 0 ? CU_DEVICE_CPU : device, (CUstream)stream);
+    int pushed = ump__ctx_enter(NULL);
+    if (ump__cu.prefetch_v2)
+        status = ump__cu.prefetch_v2(ptr, size, location(device), 0, (CUstream)stream);
+    else if (ump__cu.prefetch_v1)
+        status = ump__cu.prefetch_v1(ptr, size, device < 0 ? CU_DEVICE_CPU : device, (CUstream)stream);
     else
         status = UMP_ERR_NOCUDA;
-    ctx_leave(pushed);
+    ump__ctx_leave(pushed);
     return status ? ump__set_status(status) : UMP_OK;
 }

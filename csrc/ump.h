@@ -140,6 +140,9 @@ int ump_abi_version(void);
 /* Fail provider calls: skip `after` successful ones, then fail `count`
  * (-1: all). ump_fault_inject(0, 0) turns injection off. */
 void ump_fault_inject(int64_t after, int64_t count);
+/* Sleep `usec` at every fault-injection point, which in a VMM pool lies
+ * under the pool's lock: tests hold a lock open with it. 0: no delay. */
+void ump_fault_delay(uint32_t usec);
 int ump_is_forked_child(void);
 
 #ifdef __cplusplus

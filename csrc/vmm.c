@@ -50,58 +50,6 @@
 #define MAX_DEVICES 16 /* devices a pool may grant access to */
 #define MAP_AHEAD 16   /* granules of cached handles mapped behind a run */
 
-typedef unsigned long long cu_handle;
-typedef struct { int type; int id; } cu_location;
-typedef struct {
-    int type;                  /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
-    int requestedHandleTypes;  /* 0: no shareable handle */
-    cu_location location;
-    void *win32HandleMetaData;
-    struct {
-        unsigned char compressionType, gpuDirectRDMACapable;
-        unsigned short usage;
-        unsigned char reserved[4];
-    } allocFlags;
-} cu_prop;
-typedef struct { cu_location location; int flags; } cu_access; /* 3: read-write */
-
-static struct {
-    int loaded;
-    int (*reserve)(uintptr_t *, size_t, size_t, uintptr_t, unsigned long long);
-    int (*addr_free)(uintptr_t, size_t);
-    int (*create)(cu_handle *, size_t, const cu_prop *, unsigned long long);
-    int (*release)(cu_handle);
-    int (*map)(uintptr_t, size_t, size_t, cu_handle, unsigned long long);
-    int (*unmap)(uintptr_t, size_t);
-    int (*set_access)(uintptr_t, size_t, const cu_access *, size_t);
-    int (*granularity)(size_t *, const cu_prop *, int);
-    int (*sync)(void);
-    int (*copy)(uintptr_t, uintptr_t, size_t);
-} vm;
-static pthread_mutex_t vm_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static int vm_load(void)
-{
-    pthread_mutex_lock(&vm_lock);
-    if (!vm.loaded) {
-        *(void **)&vm.reserve = ump__cuda_sym("cuMemAddressReserve");
-        *(void **)&vm.addr_free = ump__cuda_sym("cuMemAddressFree");
-        *(void **)&vm.create = ump__cuda_sym("cuMemCreate");
-        *(void **)&vm.release = ump__cuda_sym("cuMemRelease");
-        *(void **)&vm.map = ump__cuda_sym("cuMemMap");
-        *(void **)&vm.unmap = ump__cuda_sym("cuMemUnmap");
-        *(void **)&vm.set_access = ump__cuda_sym("cuMemSetAccess");
-        *(void **)&vm.granularity = ump__cuda_sym("cuMemGetAllocationGranularity");
-        *(void **)&vm.sync = ump__cuda_sym("cuCtxSynchronize");
-        *(void **)&vm.copy = ump__cuda_sym("cuMemcpyDtoD_v2");
-        vm.loaded = vm.reserve && vm.addr_free && vm.create && vm.release && vm.map &&
-                    vm.unmap && vm.set_access && vm.granularity && vm.sync && vm.copy;
-    }
-    int ok = vm.loaded;
-    pthread_mutex_unlock(&vm_lock);
-    return ok ? UMP_OK : UMP_ERR_NOCUDA;
-}
-
 /* --- data structures ----------------------------------------------------- */
 
 typedef struct blk {
@@ -171,22 +119,23 @@ static int ph_enter(pool_t *p, int *pushed)
         return UMP_OK;
     int status = ump__cuda_ready();
     if (status == UMP_OK)
-        *pushed = ump__ctx_push(p->ctx);
+        *pushed = ump__ctx_enter(p->ctx);
     return status;
 }
 
 static void ph_leave(pool_t *p, int pushed)
 {
     if (p->provider != UMP_PROVIDER_HOST)
-        ump__ctx_pop(pushed);
+        ump__ctx_leave(pushed);
 }
 
-static cu_prop prop_for(int device)
+static CUmemAllocationProp prop_for(int device)
 {
-    cu_prop prop;
+    CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
-    prop.type = 1;
-    prop.location.type = 1; /* CU_MEM_LOCATION_TYPE_DEVICE */
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = device;
     return prop;
 }
@@ -206,9 +155,9 @@ static int ph_create(pool_t *p, uint64_t bytes, int device, uint64_t *out)
         *out = (uint64_t)fd;
         return UMP_OK;
     }
-    cu_prop prop = prop_for(device);
-    cu_handle h = 0;
-    int status = vm.create(&h, bytes, &prop, 0);
+    CUmemAllocationProp prop = prop_for(device);
+    CUmemGenericAllocationHandle h = 0;
+    int status = ump__cu.memCreate(&h, bytes, &prop, 0);
     *out = h;
     return status;
 }
@@ -218,7 +167,7 @@ static void ph_release(pool_t *p, uint64_t h)
     if (p->provider == UMP_PROVIDER_HOST)
         close((int)h);
     else
-        vm.release(h);
+        ump__cu.memRelease(h);
 }
 
 static int ph_map_raw(pool_t *p, uintptr_t va, uint64_t bytes, uint64_t h)
@@ -227,7 +176,7 @@ static int ph_map_raw(pool_t *p, uintptr_t va, uint64_t bytes, uint64_t h)
         void *m = mmap((void *)va, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, (int)h, 0);
         return m == MAP_FAILED ? UMP_ERR_NOMEM : UMP_OK;
     }
-    return vm.map(va, bytes, 0, h, 0);
+    return ump__cu.memMap(va, bytes, 0, h, 0);
 }
 
 static int ph_map(pool_t *p, uintptr_t va, uint64_t bytes, uint64_t h)
@@ -243,7 +192,7 @@ static int ph_unmap(pool_t *p, uintptr_t va, uint64_t bytes)
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
         return m == MAP_FAILED ? UMP_ERR_NOMEM : UMP_OK;
     }
-    return vm.unmap(va, bytes);
+    return ump__cu.memUnmap(va, bytes);
 }
 
 /* Every mapping starts inaccessible: grant each device of the pool access. */
@@ -251,20 +200,20 @@ static int ph_access(pool_t *p, uintptr_t va, uint64_t bytes)
 {
     if (p->provider == UMP_PROVIDER_HOST)
         return UMP_OK;
-    cu_access desc[MAX_DEVICES];
+    CUmemAccessDesc desc[MAX_DEVICES];
     for (int i = 0; i < p->ndev; i++) {
-        desc[i].location.type = 1;
+        desc[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
         desc[i].location.id = p->devs[i];
-        desc[i].flags = 3;
+        desc[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     }
-    return vm.set_access(va, bytes, desc, (size_t)p->ndev);
+    return ump__cu.memSetAccess(va, bytes, desc, (size_t)p->ndev);
 }
 
 static int ph_sync(pool_t *p)
 {
     int pushed, status = ph_enter(p, &pushed);
     if (status == UMP_OK && p->provider != UMP_PROVIDER_HOST)
-        status = vm.sync();
+        status = ump__cu.ctxSynchronize();
     ph_leave(p, pushed);
     return status;
 }
@@ -276,7 +225,7 @@ static int ph_reserve(pool_t *p, uint64_t bytes, uintptr_t *va)
         *va = m == MAP_FAILED ? 0 : (uintptr_t)m;
         return *va ? UMP_OK : UMP_ERR_NOMEM;
     }
-    return vm.reserve(va, bytes, p->gran, 0, 0);
+    return ump__cu.memAddressReserve(va, bytes, p->gran, 0, 0);
 }
 
 static void ph_unreserve(pool_t *p, uintptr_t va, uint64_t bytes)
@@ -284,7 +233,7 @@ static void ph_unreserve(pool_t *p, uintptr_t va, uint64_t bytes)
     if (p->provider == UMP_PROVIDER_HOST)
         munmap((void *)va, bytes);
     else
-        vm.addr_free(va, bytes);
+        ump__cu.memAddressFree(va, bytes);
 }
 
 static int ph_copy(pool_t *p, uintptr_t dst, uintptr_t src, uint64_t bytes)
@@ -293,7 +242,7 @@ static int ph_copy(pool_t *p, uintptr_t dst, uintptr_t src, uint64_t bytes)
         memcpy((void *)dst, (const void *)src, bytes);
         return UMP_OK;
     }
-    return vm.copy(dst, src, bytes);
+    return ump__cu.memcpyDtoD(dst, src, bytes);
 }
 
 /* --- handles --------------------------------------------------------------- */
@@ -421,6 +370,57 @@ static uint64_t release_cached(pool_t *p, uint64_t keep_below)
     return n;
 }
 
+/* --- transactions ----------------------------------------------------------
+ * Each step of a multi-step mapping registers its own undo before it can be
+ * needed: room in the log is reserved before the step, so recording it never
+ * fails after the step succeeded. Rolling back runs the log backwards. */
+
+typedef struct {
+    enum { UNDO_UNMAP, UNDO_RELEASE } op;
+    int64_t handle;
+} undo_t;
+
+typedef struct {
+    undo_t *steps;
+    size_t n, cap;
+} undo_log_t;
+
+/* Room for `more` steps. */
+static int undo_reserve(undo_log_t *log, size_t more)
+{
+    if (log->n + more <= log->cap)
+        return UMP_OK;
+    size_t cap = log->cap ? log->cap * 2 : 16;
+    while (cap < log->n + more)
+        cap *= 2;
+    undo_t *steps = realloc(log->steps, cap * sizeof *steps);
+    if (!steps)
+        return UMP_ERR_NOMEM;
+    log->steps = steps;
+    log->cap = cap;
+    return UMP_OK;
+}
+
+/* Record a step; undo_reserve made room for it. */
+static void undo_push(undo_log_t *log, int op, int64_t handle)
+{
+    log->steps[log->n].op = op;
+    log->steps[log->n].handle = handle;
+    log->n++;
+}
+
+static void undo_rollback(pool_t *p, undo_log_t *log)
+{
+    while (log->n--) {
+        undo_t *u = &log->steps[log->n];
+        if (u->op == UNDO_UNMAP)
+            handle_unmap(p, u->handle);
+        else
+            handle_drop(p, u->handle);
+    }
+    p->st.rollbacks++;
+}
+
 /* Back granules [g0, g0+k) of a region, all unmapped, with handles and grant
  * access to them. A transaction: on failure every handle mapped here is
  * unmapped again, every handle created here released, and the status
@@ -428,18 +428,18 @@ static uint64_t release_cached(pool_t *p, uint64_t keep_below)
 static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
 {
     region_t *r = region_of(p, region);
-    int64_t done[64];
-    int created[64];
-    int nd = 0, tried_scavenge = 0, pushed;
+    undo_log_t log = {0};
+    int tried_scavenge = 0, pushed;
     int status = ph_enter(p, &pushed);
     uint64_t pos = g0, left = k;
     if (status != UMP_OK)
         return status;
     while (left) {
-        /* The last slot of done[] takes one fresh handle for all the rest. */
-        int last = nd == 63;
-        int64_t i = last ? -1 : cache_take(p, left);
-        int fresh = 0;
+        /* Room for this step's undos: unmap, and release if it is fresh. */
+        status = undo_reserve(&log, 2);
+        if (status != UMP_OK)
+            goto undo;
+        int64_t i = cache_take(p, left);
         if (i < 0 && !tried_scavenge) {
             /* Reuse idle physical memory before asking the driver for more:
              * that keeps what the pool holds close to what it uses. */
@@ -455,7 +455,7 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
              * be scavenged. One handle per run held 14-21 % more memory
              * than the live blocks in a mixed-size workload; halving 4-7 %,
              * one granule per handle 3-4 % at 2.5 times the mappings. */
-            uint64_t n = last ? left : (left + 1) / 2;
+            uint64_t n = (left + 1) / 2;
             /* Cached handles left now are all larger than the run: release
              * them rather than hold them beside new memory. */
             release_cached(p, n);
@@ -468,7 +468,7 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
             status = ph_create(p, n * p->gran, p->device, &h);
             /* Out of device memory: the cached handles this run could not
              * use may make room (idle mappings were scavenged above). */
-            if ((status == 2 /* CUDA_ERROR_OUT_OF_MEMORY */ || status == UMP_ERR_NOMEM) &&
+            if ((status == CUDA_ERROR_OUT_OF_MEMORY || status == UMP_ERR_NOMEM) &&
                 release_cached(p, 0))
                 status = ph_create(p, n * p->gran, p->device, &h);
             if (status != UMP_OK)
@@ -479,17 +479,13 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
                 status = UMP_ERR_NOMEM;
                 goto undo;
             }
-            fresh = 1;
+            undo_push(&log, UNDO_RELEASE, i);
         }
         status = ph_map(p, r->va + pos * p->gran, p->hs[i].ngran * p->gran, p->hs[i].h);
-        if (status != UMP_OK) {
-            if (fresh)
-                handle_drop(p, i);
+        if (status != UMP_OK)
             goto undo;
-        }
         handle_place(p, i, region, pos);
-        done[nd] = i;
-        created[nd++] = fresh;
+        undo_push(&log, UNDO_UNMAP, i);
         pos += p->hs[i].ngran;
         left -= p->hs[i].ngran;
     }
@@ -497,7 +493,7 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
      * behind the run costs no memory, and one set-access (the expensive
      * step) then covers them too; the next blocks placed there need no
      * mapping at all. They stay idle, so scavenging can still take them. */
-    while (region == 0 && pos < g0 + k + MAP_AHEAD && nd < 64) {
+    while (region == 0 && pos < g0 + k + MAP_AHEAD && undo_reserve(&log, 1) == UMP_OK) {
         uint64_t room = 0;
         while (pos + room < g0 + k + MAP_AHEAD && pos + room < r->ngran &&
                r->gh[pos + room] < 0 && p->gref[pos + room] == 0)
@@ -506,25 +502,19 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
         if (i < 0 || ph_map_raw(p, r->va + pos * p->gran, p->hs[i].ngran * p->gran, p->hs[i].h))
             break;
         handle_place(p, i, region, pos);
-        done[nd] = i;
-        created[nd++] = 0;
+        undo_push(&log, UNDO_UNMAP, i);
         pos += p->hs[i].ngran;
     }
     if (ump__injected_failure())
         status = UMP_ERR_INJECTED;
     else
         status = ph_access(p, r->va + g0 * p->gran, (pos - g0) * p->gran);
-    if (status == UMP_OK) {
-        ph_leave(p, pushed);
-        return UMP_OK;
-    }
+    if (status == UMP_OK)
+        goto out;
 undo:
-    while (nd--) {
-        handle_unmap(p, done[nd]);
-        if (created[nd])
-            handle_drop(p, done[nd]);
-    }
-    p->st.rollbacks++;
+    undo_rollback(p, &log);
+out:
+    free(log.steps);
     ph_leave(p, pushed);
     return status;
 }
@@ -762,16 +752,16 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
     uint64_t gran;
     if (provider == UMP_PROVIDER_DEVICE) {
         int status = ump__cuda_ready();
-        if (status == UMP_OK)
-            status = vm_load();
+        if (status == UMP_OK && !ump__cu.vmm)
+            status = UMP_ERR_NOCUDA; /* a driver without the VMM API */
         if (status != UMP_OK)
             return fail(status);
-        cu_prop prop = prop_for(device);
+        CUmemAllocationProp prop = prop_for(device);
         size_t g = 0;
-        int pushed = ump__ctx_push((void *)ctx);
-        status = vm.granularity(&g, &prop, 1 /* recommended */);
-        ump__ctx_pop(pushed);
-        if (status != 0 || g == 0)
+        int pushed = ump__ctx_enter((void *)ctx);
+        status = ump__cu.memGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+        ump__ctx_leave(pushed);
+        if (status != CUDA_SUCCESS || g == 0)
             return fail(status ? status : UMP_ERR_ARG);
         gran = g;
     } else {
@@ -1312,9 +1302,9 @@ int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
     return dev;
 }
 
-/* --- registry -------------------------------------------------------------- */
+/* --- lookup (for ump_lookup, lookup.c) ------------------------------------ */
 
-UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
+int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
 {
     if (!__atomic_load_n(&n_pools_used, __ATOMIC_ACQUIRE))
         return UMP_KIND_NONE;
@@ -1325,7 +1315,7 @@ UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, i
         if (!p->used || p->destroyed)
             continue;
         pthread_mutex_lock(&p->lock);
-        int region;
+        int region, found = 0;
         region_t *r = region_at(p, ptr, &region);
         if (r && region == 0) {
             size_t i = live_find(p, ptr - r->va + 1);
@@ -1334,15 +1324,15 @@ UMP_HIDDEN int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, i
                 if (ptr < r->va + b->off + b->size) {
                     *base = r->va + b->off;
                     *size = b->size;
-                    kind = 1;
+                    found = 1;
                 }
             }
         } else if (r && ptr < r->va + r->size) {
             *base = r->va;
             *size = r->size;
-            kind = 1;
+            found = 1;
         }
-        if (kind) {
+        if (found) {
             kind = p->provider == UMP_PROVIDER_HOST ? UMP_KIND_HOST : UMP_KIND_DEVICE;
             *pool = id;
         }
@@ -1400,4 +1390,42 @@ int ump_vmm_destroy(int id)
     }
     pthread_mutex_unlock(&pools_lock);
     return status == UMP_OK ? UMP_OK : fail(status);
+}
+
+/* --- fork ------------------------------------------------------------------
+ * A thread may hold a pool's lock for long (it is held across
+ * cuCtxSynchronize and every mapping step); a child forked meanwhile would
+ * hang on it at its first free or lookup. common.c holds these locks across
+ * fork() (rank UMP_FORK_POOLS). The pool list is stable while pools_lock is
+ * held: pools are created and destroyed under it. */
+
+static void fork_prepare(void)
+{
+    pthread_mutex_lock(&pools_lock);
+    for (int id = 0; id < UMP_MAX_POOLS; id++)
+        if (pools[id].used)
+            pthread_mutex_lock(&pools[id].lock);
+}
+
+static void fork_parent(void)
+{
+    for (int id = UMP_MAX_POOLS - 1; id >= 0; id--)
+        if (pools[id].used)
+            pthread_mutex_unlock(&pools[id].lock);
+    pthread_mutex_unlock(&pools_lock);
+}
+
+/* The child's only thread is the one that forked: no other holder exists,
+ * so fresh locks are exact. */
+static void fork_child(void)
+{
+    for (int id = 0; id < UMP_MAX_POOLS; id++)
+        if (pools[id].used)
+            pthread_mutex_init(&pools[id].lock, NULL);
+    pthread_mutex_init(&pools_lock, NULL);
+}
+
+__attribute__((constructor)) static void vmm_init(void)
+{
+    ump__on_fork(UMP_FORK_POOLS, fork_prepare, fork_parent, fork_child);
 }

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "csrc" / name for name in ("arena.c", "cuda.c", "vmm.c")] + [ROOT / "tests" / "c" / "stress.c"]
+SOURCES = [ROOT / "csrc" / name for name in ("common.c", "arena.c", "cuda.c", "vmm.c", "lookup.c")] + [ROOT / "tests" / "c" / "stress.c"]
 CC = os.environ.get("CC", "cc")
 
 

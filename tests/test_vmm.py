@@ -83,21 +83,46 @@ def test_handles_are_reused_not_recreated(pool):
         pool.deallocate(p)
 
 
-def test_a_run_of_many_small_cached_handles(pool):
-    """A run that would take more than 63 cached pieces maps 63 of them and
-    one fresh handle for the rest (the transaction records 64 at most)."""
-    ptrs = [pool.allocate(GRAN) for _ in range(70)]  # one 1-granule handle each
+def _cache_one_granule_handles(pool, n):
+    """Leave n cached (unmapped) handles of one granule each in the pool."""
+    ptrs = [pool.allocate(GRAN) for _ in range(n)]  # one 1-granule handle each
     for p in ptrs:
         pool.deallocate(p)
     pool.trim(keep_handles=True)
-    before = pool.statistics()
-    assert before.handles == 70 and before.cached_bytes == 70 * GRAN
+    st = pool.statistics()
+    assert st.handles == n and st.cached_bytes == n * GRAN and st.mapped_bytes == 0
+    return st
+
+
+def test_a_run_of_many_small_cached_handles(pool):
+    """A run maps as many cached pieces as it needs: its undo log grows."""
+    before = _cache_one_granule_handles(pool, 70)
     big = pool.allocate(70 * GRAN)
     st = pool.statistics()
-    assert st.handles_created == before.handles_created + 1  # 63 cached + 1 fresh of 7 granules
-    assert st.mapped_bytes == 70 * GRAN and st.cached_bytes == 7 * GRAN
+    assert st.handles_created == before.handles_created  # all 70 reused, none created
+    assert st.mapped_bytes == 70 * GRAN and st.cached_bytes == 0
     _fill(big, 70 * GRAN, 4)
     assert _check(big, 70 * GRAN, 4)
+    pool.deallocate(big)
+
+
+@pytest.mark.parametrize("after", [0, 40, 69, 70])
+def test_a_long_run_failing_half_way_is_rolled_back(pool, after):
+    """Fail the mapping of piece `after` of 70 (70: the set-access after
+    them): every piece mapped before it is unmapped again, nothing leaks."""
+    before = _cache_one_granule_handles(pool, 70)
+    _core.fault_inject(after, 1)
+    with pytest.raises(ump.OutOfMemoryError, match="UMP_ERR_INJECTED"):
+        pool.allocate(70 * GRAN)
+    _core.fault_inject(0, 0)
+    st = pool.statistics()
+    assert st.rollbacks == before.rollbacks + 1
+    assert st.unmaps - before.unmaps == after
+    assert (st.handles, st.handles_created, st.physical_bytes, st.cached_bytes) == (
+        70, before.handles_created, 70 * GRAN, 70 * GRAN)
+    assert (st.mapped_bytes, st.used_bytes) == (0, 0)
+    big = pool.allocate(70 * GRAN)  # the same pieces serve it now
+    assert pool.statistics().handles_created == before.handles_created
     pool.deallocate(big)
 
 

@@ -74,6 +74,7 @@ _advise = _sig("ump_advise", _int, _uptr, _u64, _int, _int)
 _error_name = _sig("ump_cuda_error_name", _int, _int, ctypes.c_char_p, _sz)
 last_status = _sig("ump_last_status", _int)
 fault_inject = _sig("ump_fault_inject", None, ctypes.c_int64, ctypes.c_int64)
+fault_delay = _sig("ump_fault_delay", None, ctypes.c_uint32)
 is_forked_child = _sig("ump_is_forked_child", _int)
 
 

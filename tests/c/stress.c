@@ -112,6 +112,46 @@ static void *worker(void *arg)
     return NULL;
 }
 
+/* --- a refused free in one thread, good frees in others ------------------ */
+
+static int arena;
+static int bad_freeing;
+
+static void *bad_freer(void *foreign)
+{
+    while (__atomic_load_n(&bad_freeing, __ATOMIC_RELAXED))
+        ump_free(foreign, 64); /* refused and counted, every time */
+    return NULL;
+}
+
+static void *good_freer(void *arg)
+{
+    (void)arg;
+    for (long i = 0; i < ops_per_thread / 4; i++) {
+        void *p = ump_arena_alloc(arena, 4096);
+        CHECK(p);
+        CHECK(ump_arena_free(p) == UMP_OK);
+    }
+    return NULL;
+}
+
+/* Whether a free was refused must come from the registry, not from the
+ * count of refused frees, which other threads change at any moment. */
+static void concurrent_bad_frees(void)
+{
+    char *foreign = malloc(64);
+    pthread_t bad, good[THREADS - 1];
+    __atomic_store_n(&bad_freeing, 1, __ATOMIC_RELAXED);
+    CHECK(pthread_create(&bad, NULL, bad_freer, foreign) == 0);
+    for (long i = 0; i < THREADS - 1; i++)
+        CHECK(pthread_create(&good[i], NULL, good_freer, NULL) == 0);
+    for (int i = 0; i < THREADS - 1; i++)
+        pthread_join(good[i], NULL);
+    __atomic_store_n(&bad_freeing, 0, __ATOMIC_RELAXED);
+    pthread_join(bad, NULL);
+    free(foreign);
+}
+
 /* --- VMM pool ------------------------------------------------------------ */
 
 static int pool;
@@ -201,7 +241,7 @@ static void pool_stress(void)
     CHECK(bp[0] == 0x5a && bp[(40 << 20) - 1] == 0x6b);
     CHECK(ump_vmm_buffer_resize(pool, buf, 1 << 20) == UMP_OK);
 
-    /* A run needing more cached pieces than one mapping records (64). */
+    /* A run of more cached pieces than the undo log's first allocation. */
     uintptr_t one[70];
     for (int i = 0; i < 70; i++)
         CHECK((one[i] = ump_vmm_alloc(pool, 2 << 20, 3)) != 0);
@@ -223,7 +263,7 @@ int main(int argc, char **argv)
 {
     if (argc > 1)
         ops_per_thread = atol(argv[1]);
-    int arena = ump_arena_create(UMP_KIND_HOST, UMP_PROVIDER_HOST, (uint64_t)1 << 30, 0);
+    arena = ump_arena_create(UMP_KIND_HOST, UMP_PROVIDER_HOST, (uint64_t)1 << 30, 0);
     CHECK(arena >= 0);
     CHECK(ump_set_numpy_arena(arena) == UMP_OK);
 
@@ -258,6 +298,7 @@ int main(int argc, char **argv)
     char *whole = ump_malloc(5000);
     CHECK(ump_arena_free(whole + 512) != UMP_OK); /* interior pointer: refused */
     CHECK(ump_arena_free(whole) == UMP_OK);
+    concurrent_bad_frees();
 
     /* Cap: the NumPy path falls back, the arena path fails. */
     CHECK(ump_arena_trim(arena) == UMP_OK);

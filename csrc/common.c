@@ -1,0 +1,114 @@
+/*
+ * common.c - what every unit of the C core shares: the last status and the
+ * names of ump's own statuses, fault injection, and fork.
+ *
+ * It calls no other unit: arena.c, cuda.c and vmm.c build on it.
+ */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <pthread.h>
+#include <unistd.h>
+
+/* --- status -------------------------------------------------------------- */
+
+static __thread int last_status;
+
+int ump__set_status(int status) { last_status = status; return status; }
+int ump_last_status(void) { return last_status; }
+int ump_abi_version(void) { return UMP_ABI_VERSION; }
+
+const char *ump__status_name(int status)
+{
+    switch (status) {
+    case UMP_ERR_NOMEM: return "UMP_ERR_NOMEM";
+    case UMP_ERR_CAP: return "UMP_ERR_CAP";
+    case UMP_ERR_NOCUDA: return "UMP_ERR_NOCUDA";
+    case UMP_ERR_FORKED: return "UMP_ERR_FORKED";
+    case UMP_ERR_ARG: return "UMP_ERR_ARG";
+    case UMP_ERR_INJECTED: return "UMP_ERR_INJECTED";
+    default: return NULL;
+    }
+}
+
+/* --- fault injection ----------------------------------------------------- */
+
+static int64_t inject_after, inject_count;
+static uint32_t inject_delay_us;
+
+void ump_fault_delay(uint32_t usec) { __atomic_store_n(&inject_delay_us, usec, __ATOMIC_RELAXED); }
+
+void ump_fault_inject(int64_t after, int64_t count)
+{
+    __atomic_store_n(&inject_after, after, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&inject_count, count, __ATOMIC_SEQ_CST);
+}
+
+int ump__injected_failure(void)
+{
+    uint32_t delay = __atomic_load_n(&inject_delay_us, __ATOMIC_RELAXED);
+    if (delay)
+        usleep(delay);
+    if (__atomic_load_n(&inject_count, __ATOMIC_SEQ_CST) == 0)
+        return 0;
+    if (__atomic_fetch_sub(&inject_after, 1, __ATOMIC_SEQ_CST) > 0)
+        return 0;
+    __atomic_store_n(&inject_after, 0, __ATOMIC_SEQ_CST);
+    int64_t left = __atomic_load_n(&inject_count, __ATOMIC_SEQ_CST);
+    if (left > 0)
+        __atomic_fetch_sub(&inject_count, 1, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+/* --- fork ----------------------------------------------------------------
+ * One set of pthread_atfork handlers for the whole core. Every lock is held
+ * across fork(), so the child never inherits one held by a thread that does
+ * not exist there (it would hang on it forever). Prepare takes the locks rank
+ * by rank, the order internal.h documents; the parent releases them in
+ * reverse; the child first marks itself forked, so it never calls CUDA, then
+ * each unit re-initialises its locks. */
+
+volatile int ump__forked;
+
+int ump_is_forked_child(void) { return ump__forked; }
+
+static struct {
+    void (*prepare)(void), (*parent)(void), (*child)(void);
+} fork_hooks[UMP_FORK_RANKS];
+
+void ump__on_fork(enum ump__fork_rank rank, void (*prepare)(void), void (*parent)(void),
+                  void (*child)(void))
+{
+    fork_hooks[rank].prepare = prepare;
+    fork_hooks[rank].parent = parent;
+    fork_hooks[rank].child = child;
+}
+
+static void fork_prepare(void)
+{
+    for (int r = 0; r < UMP_FORK_RANKS; r++)
+        if (fork_hooks[r].prepare)
+            fork_hooks[r].prepare();
+}
+
+static void fork_parent(void)
+{
+    for (int r = UMP_FORK_RANKS - 1; r >= 0; r--)
+        if (fork_hooks[r].parent)
+            fork_hooks[r].parent();
+}
+
+static void fork_child(void)
+{
+    ump__forked = 1;
+    for (int r = UMP_FORK_RANKS - 1; r >= 0; r--)
+        if (fork_hooks[r].child)
+            fork_hooks[r].child();
+}
+
+/* The units register from their own constructors, in any order: the table
+ * is static, and nothing forks while the library is being loaded. */
+__attribute__((constructor)) static void common_init(void)
+{
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}

@@ -1,0 +1,66 @@
+/*
+ * cudadrv.h - the part of CUDA's driver API (cuda.h) the C core uses.
+ *
+ * libcuda.so.1 is opened at run time, so the core builds without the CUDA
+ * toolkit; these declarations copy cuda.h's names and values, so that a
+ * reader can look each one up there. Not part of ump's public API.
+ */
+#ifndef UMP_CUDADRV_H
+#define UMP_CUDADRV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int CUresult;
+typedef uintptr_t CUdeviceptr;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+
+/* cuMemAllocManaged */
+#define CU_MEM_ATTACH_GLOBAL 0x1
+
+/* cuMemHostRegister */
+#define CU_MEMHOSTREGISTER_PORTABLE 0x01
+#define CU_MEMHOSTREGISTER_DEVICEMAP 0x02
+
+/* cuMemAdvise, cuMemPrefetchAsync */
+#define CU_DEVICE_CPU (-1)
+#define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
+#define CU_MEM_ADVISE_SET_ACCESSED_BY 5
+
+typedef struct {
+    int type; /* CU_MEM_LOCATION_TYPE_* */
+    int id;
+} CUmemLocation;
+
+#define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CU_MEM_LOCATION_TYPE_HOST 2
+
+/* Virtual memory management: cuMemCreate, cuMemSetAccess, ... */
+typedef struct {
+    int type;                 /* CU_MEM_ALLOCATION_TYPE_* */
+    int requestedHandleTypes; /* CU_MEM_HANDLE_TYPE_* */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType, gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CU_MEM_ACCESS_FLAGS_* */
+} CUmemAccessDesc;
+
+#define CU_MEM_ALLOCATION_TYPE_PINNED 1
+#define CU_MEM_HANDLE_TYPE_NONE 0 /* no shareable handle */
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
+#define CU_MEM_ALLOC_GRANULARITY_RECOMMENDED 1
+
+#endif

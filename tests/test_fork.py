@@ -1,0 +1,94 @@
+"""fork() while another thread is inside the C core: the child must never
+inherit a lock held by a thread that does not exist in it.
+
+The VMM pool runs on its emulated physical layer (memfd), so this runs on
+every machine. A fault-injection delay holds the pool's lock open for as long
+as the test needs, which makes the race deterministic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+import warnings
+
+import pytest
+
+from ump import _core
+from ump._vmm import VMMPool
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+
+MiB = 1 << 20
+CHILD_TIMEOUT = 20.0
+
+
+def _wait(pid: int, timeout: float) -> int | None:
+    """The child's exit code, or None if it is still running after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    return None
+
+
+def _fork():
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about fork() in a process with threads: that
+        # is the situation under test.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
+
+
+def test_child_forked_while_a_thread_holds_a_pool_lock_finishes():
+    pool = VMMPool(emulate=True, reserve=1 << 30)
+    inherited = pool.allocate(MiB)
+    ctypes.memset(inherited, 5, MiB)
+    foreign = ctypes.create_string_buffer(4096)  # memory ump does not own
+    entered = threading.Event()
+    grown = []
+
+    def hold_the_pool_lock():
+        entered.set()
+        # 8 MiB beyond the first granule: a handle created, mapped and given
+        # access, each step a fault-injection point that sleeps under the lock.
+        grown.append(pool.allocate(8 * MiB))
+
+    _core.fault_delay(400_000)
+    try:
+        thread = threading.Thread(target=hold_the_pool_lock)
+        thread.start()
+        entered.wait()
+        time.sleep(0.3)  # the thread is now inside ump_vmm_alloc, lock held
+        pid = _fork()
+        if pid == 0:
+            code = 1
+            try:
+                _core.fault_delay(0)
+                ok = _core.is_forked_child() == 1
+                ok &= ctypes.string_at(inherited, 4) == b"\x05" * 4
+                ok &= _core.lookup(ctypes.addressof(foreign))[0] is None  # every pool's lock
+                pool.deallocate(inherited)
+                ok &= _core.lookup(inherited)[0] is None
+                code = 0 if ok else 1
+            finally:
+                os._exit(code)
+        code = _wait(pid, CHILD_TIMEOUT)
+        if code is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        thread.join()
+    finally:
+        _core.fault_delay(0)
+    assert code is not None, f"the forked child hung for {CHILD_TIMEOUT:.0f} s on a lock it inherited held"
+    assert code == 0
+    assert _core.is_forked_child() == 0
+    assert _core.lookup(inherited)[0] == "host"  # the parent's block is untouched
+    pool.deallocate(grown[0])
+    pool.deallocate(inherited)
+    pool.close()
