@@ -10,6 +10,13 @@ import sys
 from ump import bench
 
 
+def _bench(tmp_path, *args):
+    """``python -m ump bench ARGS`` in tmp_path, where no source tree shadows
+    the installed ump."""
+    return subprocess.run([sys.executable, "-m", "ump", "bench", *args], capture_output=True, text=True,
+                          cwd=tmp_path)
+
+
 def _report(median, spread=0.02, case="np.empty 64B", config="stock"):
     times = [median * (1 + spread * k) for k in (-2, -1, 0, 1, 2)]
     return {"configs": [config], "results": {case: {"suite": "alloc_numpy", config: {
@@ -28,15 +35,13 @@ def test_compare_flags_an_injected_slowdown_and_passes_equal_runs():
 
 def test_smoke_run_and_compare_cli(tmp_path):
     out = tmp_path / "a.json"
-    run = subprocess.run([sys.executable, "-m", "ump", "bench", "--smoke", "--suites", "alloc_numpy",
-                          "--output", str(out), "--plot", ""], capture_output=True, text=True)
+    run = _bench(tmp_path, "--smoke", "--suites", "alloc_numpy", "--output", str(out), "--plot", "")
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert "np.empty 1MiB" in report["results"] and "stock" in report["configs"]
     assert "| np.empty 64B |" in run.stdout
     # the same run compared with itself passes...
-    same = subprocess.run([sys.executable, "-m", "ump", "bench", "--compare", str(out), "--input", str(out)],
-                          capture_output=True, text=True)
+    same = _bench(tmp_path, "--compare", str(out), "--input", str(out))
     assert same.returncode == 0 and "no slow-down" in same.stdout
     # ...and one made slower on purpose fails: 10x, times the run's own
     # max/min spread, which on a loaded machine can exceed 10x by itself
@@ -46,8 +51,7 @@ def test_smoke_run_and_compare_cli(tmp_path):
     entry["cpu"] = {k: (v * factor if isinstance(v, float) else v) for k, v in entry["cpu"].items()}
     bad = tmp_path / "b.json"
     bad.write_text(json.dumps(slowed))
-    flagged = subprocess.run([sys.executable, "-m", "ump", "bench", "--compare", str(out), "--input", str(bad)],
-                             capture_output=True, text=True)
+    flagged = _bench(tmp_path, "--compare", str(out), "--input", str(bad))
     assert flagged.returncode == 1 and "SLOWER: alloc/free churn" in flagged.stdout
 
 
@@ -66,9 +70,8 @@ def test_overhead_reports_ratio_spread_and_difference():
 
 def test_rounds_interleave_configurations(tmp_path):
     out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, "-m", "ump", "bench", "--smoke", "--suites", "alloc_numpy",
-                          "--rounds", "2", "--output", str(out), "--plot", ""],
-                         capture_output=True, text=True)
+    run = _bench(tmp_path, "--smoke", "--suites", "alloc_numpy", "--rounds", "2", "--output", str(out),
+                 "--plot", "")
     assert run.returncode == 0, run.stderr
     assert "round 2/2" in run.stderr
     report = json.loads(out.read_text())
