@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import _probe, backends
@@ -13,12 +14,29 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def _cupy_enable_ump(gpu: bool) -> str:
+    value = os.environ.get("CUPY_ENABLE_UMP")
+    state = "unset" if value is None else f"set to {value!r}"
+    if value == "1":
+        meaning = "as the GPU backends need" if gpu else "only the GPU backends use it"
+    elif gpu:
+        meaning = "the GPU backends need it set to 1 before Python starts (export CUPY_ENABLE_UMP=1)"
+    else:
+        meaning = "the host backend does not need it; the GPU backends need it set to 1"
+    return f"CUPY_ENABLE_UMP: {state} ({meaning})"
+
+
 def info(out=sys.stdout) -> int:
     caps = _probe.probe()
     w = out.write
     w(f"ump {__import__('ump').__version__}\n")
-    w(f"python {caps.python_version}, numpy {caps.numpy_version}, cupy {caps.cupy_version}, "
-      f"numpy_allocator {caps.numpy_allocator_version}, cuda-bindings {caps.cuda_bindings_version}\n")
+    w(f"python {caps.python_version}\n")
+    for name, version in (("numpy", caps.numpy_version), ("numpy_allocator", caps.numpy_allocator_version),
+                          ("cupy", caps.cupy_version), ("cuda-bindings", caps.cuda_bindings_version)):
+        missing = "not installed"
+        if name == "cupy" and caps.gpu:
+            missing += " (the GPU backends need it: pip install ump[cuda12] or ump[cuda13])"
+        w(f"{name}: {version or missing}\n")
     if not caps.gpu:
         w(f"GPU: none ({caps.reason})\n")
     else:
@@ -33,15 +51,23 @@ def info(out=sys.stdout) -> int:
             w(f"  host pointer for registered memory: {int(d.host_pointer_for_registered_mem)}\n")
             w(f"  VMM supported: {int(d.vmm_supported)}, granularity {_mib(d.vmm_granularity)} "
               f"(recommended {_mib(d.vmm_recommended_granularity)})\n")
+    w(_cupy_enable_ump(caps.gpu) + "\n")
     for name in backends.names():
-        device = caps.devices[0] if caps.gpu else None
-        why = backends.get(name).unavailable(caps, device)
+        backend = backends.get(name)
+        if backend.uses_gpu and not caps.gpu:
+            why = "no GPU"  # the reason is on the GPU line above
+        else:
+            why = backend.unavailable(caps, caps.devices[0] if caps.gpu else None)
         w(f"backend {name}: {'available' if why is None else 'unavailable: ' + why}\n")
     try:
-        chosen = backends.select("auto", caps).name
+        chosen = backends.select("auto", caps)
     except UmpError as err:
-        chosen = f"none ({err})"
-    w(f"enable() would choose: {chosen}\n")
+        w(f"enable() would choose: none ({err})\n")
+    else:
+        w(f"enable() would choose: {chosen.name}")
+        if chosen.uses_gpu and os.environ.get("CUPY_ENABLE_UMP") != "1":
+            w(", once CUPY_ENABLE_UMP=1 is set (until then it raises ump.UmpError)")
+        w("\n")
     return 0
 
 
