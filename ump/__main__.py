@@ -71,8 +71,25 @@ def info(out=sys.stdout) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments get one line on stderr and exit status 2, not the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ump")
+    parser = _Parser(prog="python -m ump")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="report the probe and the backend enable() would pick")
     bench = sub.add_parser("bench", help="run the perf suite: stock CuPy vs ump")
@@ -84,7 +101,7 @@ def main(argv=None) -> int:
     bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
     bench.add_argument("--input", metavar="NEW.json", help="with --compare: compare this file, run nothing")
     bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag")
-    bench.add_argument("--rounds", type=int, default=1,
+    bench.add_argument("--rounds", type=_at_least_one, default=1,
                        help="run every configuration this many times, interleaved (spread across processes)")
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -92,7 +109,10 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from . import bench as bench_mod
 
-        return bench_mod.main(args)
+        try:
+            return bench_mod.main(args)
+        except bench_mod.ArgumentError as err:
+            bench.error(str(err))
     return 2  # pragma: no cover
 
 
