@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
+import pathlib
+import sys
 
-import numpy
-import pytest
 
-import ump
-from ump import _core
+def _test_the_installed_package():
+    """`python -m pytest` puts the working directory first on sys.path. In a
+    source tree whose C core was not built in place (an unpacked sdist after
+    `pip install .`), that tree's ump/ would shadow the installed package and
+    fail to import its extension: test the installed package instead."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    source = root / "ump"
+    built = any((source / f"_ucore{suffix}").exists() for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+    if source.is_dir() and not built:
+        sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != root]
+
+
+_test_the_installed_package()
+
+import numpy  # noqa: E402
+import pytest  # noqa: E402
+
+import ump  # noqa: E402
+from ump import _core  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import subprocess
 import sys
 
+import pytest
+
 from ump import bench
+
+
+def _bench(tmp_path, *args):
+    """``python -m ump bench ARGS`` in tmp_path, where no source tree shadows
+    the installed ump."""
+    return subprocess.run([sys.executable, "-m", "ump", "bench", *args], capture_output=True, text=True,
+                          cwd=tmp_path)
 
 
 def _report(median, spread=0.02, case="np.empty 64B", config="stock"):
@@ -28,24 +38,23 @@ def test_compare_flags_an_injected_slowdown_and_passes_equal_runs():
 
 def test_smoke_run_and_compare_cli(tmp_path):
     out = tmp_path / "a.json"
-    run = subprocess.run([sys.executable, "-m", "ump", "bench", "--smoke", "--suites", "alloc_numpy",
-                          "--output", str(out), "--plot", ""], capture_output=True, text=True)
+    run = _bench(tmp_path, "--smoke", "--suites", "alloc_numpy", "--output", str(out), "--plot", "")
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert "np.empty 1MiB" in report["results"] and "stock" in report["configs"]
     assert "| np.empty 64B |" in run.stdout
     # the same run compared with itself passes...
-    same = subprocess.run([sys.executable, "-m", "ump", "bench", "--compare", str(out), "--input", str(out)],
-                          capture_output=True, text=True)
+    same = _bench(tmp_path, "--compare", str(out), "--input", str(out))
     assert same.returncode == 0 and "no slow-down" in same.stdout
-    # ...and one made 10x slower on purpose fails
+    # ...and one made slower on purpose fails: 10x, times the run's own
+    # max/min spread, which on a loaded machine can exceed 10x by itself
     slowed = copy.deepcopy(report)
     entry = slowed["results"]["alloc/free churn (256 arrays)"]["stock"]
-    entry["cpu"] = {k: (v * 10 if isinstance(v, float) else v) for k, v in entry["cpu"].items()}
+    factor = 10 * entry["cpu"]["max"] / entry["cpu"]["min"]
+    entry["cpu"] = {k: (v * factor if isinstance(v, float) else v) for k, v in entry["cpu"].items()}
     bad = tmp_path / "b.json"
     bad.write_text(json.dumps(slowed))
-    flagged = subprocess.run([sys.executable, "-m", "ump", "bench", "--compare", str(out), "--input", str(bad)],
-                             capture_output=True, text=True)
+    flagged = _bench(tmp_path, "--compare", str(out), "--input", str(bad))
     assert flagged.returncode == 1 and "SLOWER: alloc/free churn" in flagged.stdout
 
 
@@ -64,11 +73,91 @@ def test_overhead_reports_ratio_spread_and_difference():
 
 def test_rounds_interleave_configurations(tmp_path):
     out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, "-m", "ump", "bench", "--smoke", "--suites", "alloc_numpy",
-                          "--rounds", "2", "--output", str(out), "--plot", ""],
-                         capture_output=True, text=True)
+    run = _bench(tmp_path, "--smoke", "--suites", "alloc_numpy", "--rounds", "2", "--output", str(out),
+                 "--plot", "")
     assert run.returncode == 0, run.stderr
     assert "round 2/2" in run.stderr
     report = json.loads(out.read_text())
     entry = report["results"]["np.empty 64B"][report["configs"][-1]]  # a ump configuration
     assert len(entry["round_cpu"]) == 2 and entry["cpu"]["n"] == len(entry["cpu_times"])
+
+
+def _usage_error(run) -> str:
+    """The one line a bad argument gets: exit status 2, no traceback."""
+    assert run.returncode == 2, (run.returncode, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert lines[0].startswith("python -m ump bench: error: ")
+    return lines[0]
+
+
+def test_unknown_suite_names_the_known_ones(tmp_path):
+    out = tmp_path / "r.json"
+    line = _usage_error(_bench(tmp_path, "--suites", "alloc_numpy,nosuch", "--output", str(out)))
+    assert "unknown suite 'nosuch'" in line
+    assert all(name in line for name in (*bench.CPU_SUITES, *bench.GPU_SUITES))
+    assert not out.exists()
+
+
+def test_unknown_configuration_names_the_known_ones(tmp_path):
+    out = tmp_path / "r.json"
+    line = _usage_error(_bench(tmp_path, "--configs", "stock,bogus", "--output", str(out)))
+    assert "unknown configuration 'bogus'" in line
+    assert all(name in line for name in bench.KNOWN_CONFIGS)
+    assert not out.exists()
+
+
+def test_suite_or_configuration_the_machine_cannot_run(tmp_path, caps):
+    if caps.gpu and caps.cupy_version is not None:
+        pytest.skip("this machine runs the GPU suites and backends")
+    line = _usage_error(_bench(tmp_path, "--suites", "interop"))
+    assert "suite 'interop' cannot run on this machine" in line and "it runs alloc_numpy" in line
+    line = _usage_error(_bench(tmp_path, "--configs", "managed:host"))
+    assert "configuration 'managed:host' cannot run on this machine" in line
+
+
+def test_compare_with_a_missing_or_foreign_file(tmp_path):
+    line = _usage_error(_bench(tmp_path, "--compare", "missing.json"))
+    assert line.endswith("--compare: file not found: missing.json")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    line = _usage_error(_bench(tmp_path, "--compare", "other.json", "--input", "other.json"))
+    assert "other.json is not a bench report" in line
+    (tmp_path / "text.json").write_text("not json")
+    assert "text.json is not JSON" in _usage_error(_bench(tmp_path, "--compare", "text.json"))
+    assert "--input needs --compare" in _usage_error(_bench(tmp_path, "--input", "text.json"))
+
+
+@pytest.mark.parametrize("rounds", ["0", "-1", "two"])
+def test_rounds_below_one_are_rejected_and_keep_the_results_file(tmp_path, rounds):
+    out = tmp_path / "r.json"
+    out.write_text('{"results": {"kept": {}}}')
+    line = _usage_error(_bench(tmp_path, "--smoke", "--rounds", rounds, "--output", str(out), "--plot", ""))
+    assert "argument --rounds:" in line
+    assert out.read_text() == '{"results": {"kept": {}}}'
+    with pytest.raises(bench.ArgumentError, match="rounds must be an int >= 1"):
+        bench.run(suites=["alloc_numpy"], rounds=0)
+
+
+def test_skipped_gpu_suites_and_an_unwritten_plot_are_reported(tmp_path, caps):
+    if caps.gpu and caps.cupy_version is not None:
+        pytest.skip("this machine runs the GPU suites")
+    plot = tmp_path / "p.png"
+    run = _bench(tmp_path, "--smoke", "--output", str(tmp_path / "r.json"), "--plot", str(plot))
+    assert run.returncode == 0, run.stderr
+    skipped = [line for line in run.stderr.splitlines() if line.startswith("GPU suites skipped")]
+    assert len(skipped) == 1 and all(name in skipped[0] for name in bench.GPU_SUITES)
+    assert ("no GPU" in skipped[0]) if not caps.gpu else ("CuPy is not installed" in skipped[0])
+    assert f"plot not written ({plot}): no interop cases in this run" in run.stderr
+    assert not plot.exists()
+
+
+def test_plot_without_matplotlib_is_reported(tmp_path, monkeypatch, capsys):
+    report = _report(50.0, case="asarray 1MiB")
+    monkeypatch.setattr(bench, "run", lambda **kwargs: report)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    plot = tmp_path / "p.png"
+    args = argparse.Namespace(compare=None, input=None, suites=None, configs=None, smoke=True, rounds=1,
+                              output=str(tmp_path / "r.json"), plot=str(plot), threshold=1.25)
+    assert bench.main(args) == 0
+    assert f"plot not written ({plot}): matplotlib is not installed" in capsys.readouterr().err
+    assert not plot.exists()

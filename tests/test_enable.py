@@ -166,14 +166,15 @@ def test_probe_without_gpu_never_raises(caps):
     assert caps.numpy_allocator_version is not None
 
 
-def test_import_creates_no_context_and_imports_no_cupy():
+def test_import_creates_no_context_and_imports_no_cupy(tmp_path):
     code = "import sys, ump; ump.probe(); print('cupy' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tmp_path)
     assert out.stdout.strip() == "False"
 
 
-def test_info_command():
-    out = subprocess.run([sys.executable, "-m", "ump", "info"], capture_output=True, text=True)
+def test_info_command(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ump", "info"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "enable() would choose:" in out.stdout and "backend host:" in out.stdout
 
@@ -195,3 +196,17 @@ def test_extension_exports_c_hooks():
     exported = {line.split()[-1] for line in nm.stdout.splitlines() if " T " in line}
     assert {"ump_malloc", "ump_calloc", "ump_realloc", "ump_free"} <= exported
     assert not any(name.startswith("ump__") for name in exported)  # internals stay hidden
+
+
+def test_without_cuda_bindings_the_probe_says_how_to_install_them(tmp_path):
+    # None in sys.modules makes the import fail as it does where the package is absent
+    code = ("import sys; sys.modules['cuda'] = None\n"
+            "import ump\n"
+            "caps = ump.probe()\n"
+            "print(caps.gpu, ump.enable(), sep='\\n'); print(caps.reason)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    gpu, backend, reason = out.stdout.splitlines()
+    assert (gpu, backend) == ("False", "host")
+    assert reason.startswith("cuda-bindings is not installed")
+    assert "pip install ump[cuda12] or ump[cuda13]" in reason

@@ -63,15 +63,17 @@ def test_thousand_cycles_with_arrays_alive(caps):
     if caps.gpu:
         pytest.skip("the host backend runs only on machines without a GPU")
     foreign = _core.foreign_frees()
-    alive = []
+    alive = []  # (array, the value written into it)
     for i in range(1000):
         ump.enable()
-        alive.append(np.full(100 + i % 50, i, dtype=np.int32))
+        alive.append((np.full(100 + i % 50, i, dtype=np.int32), i))
         ump.disable()
-        alive.append(np.full(3, -i, dtype=np.int32))
+        alive.append((np.full(3, -i, dtype=np.int32), -i))
         if len(alive) > 200:
             del alive[:100]
-    assert all(a[0] in (i, -i) for a in alive for i in [abs(int(a[0]))])
+    assert len(alive) == 200
+    for arr, value in alive:
+        assert (arr == value).all(), (value, arr[:3])
     assert np._core.multiarray.get_handler_name() == "default_allocator"
     del alive
     ump.enable()
@@ -100,18 +102,34 @@ def test_fork_after_enable_keeps_numpy_working(host):
 
 @pytest.mark.parametrize("obj", [[1, 2], "array", 3, None])
 def test_asarray_of_non_arrays(host, obj):
-    # on the host backend the GPU side is missing; on a GPU it would be TypeError
-    with pytest.raises((TypeError, ump.UmpError)):
+    with pytest.raises(TypeError, match=rf"takes a NumPy or CuPy array, not '{type(obj).__name__}'"):
         ump.asarray(obj)
+    # an array is the right argument: what is missing then is the GPU side
+    with pytest.raises(ump.UmpError, match="'host' backend has no GPU side"):
+        ump.asarray(np.zeros(3))
 
 
-def test_enable_after_numpy_arrays_exist_and_disable_order(host):
-    # enable() while arrays from NumPy's own allocator are alive, then free them
-    # while ump is active: each goes back to the allocator that made it
-    early = [np.ones(n) for n in (10, 10_000, 1_000_000)]
-    ump.disable()
+def test_enable_after_numpy_arrays_exist_and_disable_order(caps):
+    """Arrays NumPy's own allocator made before enable() are freed by that
+    allocator while ump is enabled; arrays ump made and outlive disable()
+    go back to ump's arena when freed."""
+    if caps.gpu:
+        pytest.skip("the host backend runs only on machines without a GPU")
+    foreign = _core.foreign_frees()
+    early = [np.full(n, n, dtype=np.int64) for n in (10, 10_000, 1_000_000)]
+    assert all(ump.kind_of(a) is None for a in early)
     with ump.enabled():
-        del early
-        late = np.ones(1000)
-    assert late.sum() == 1000
+        arena = ump._enable.current().numpy_arena
+        for a in early:
+            assert (a == a.size).all()
+        del a, early  # NumPy's default allocator frees them, not ump's hook
+        assert _core.foreign_frees() == foreign
+        late = np.full(1000, 7, dtype=np.int64)
+        assert ump.kind_of(late) == "host"
+        live = arena.statistics().current_count
+    # disabled: the late array stays valid, and freeing it returns its block to ump's arena
+    assert np._core.multiarray.get_handler_name() == "default_allocator"
+    assert ump.kind_of(late) == "host" and (late == 7).all()
     del late
+    assert arena.statistics().current_count == live - 1
+    assert _core.foreign_frees() == foreign

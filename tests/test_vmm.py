@@ -23,11 +23,17 @@ GRAN = 2 * MiB
 
 @pytest.fixture
 def pool():
+    """An emulated pool; the test fails if it leaves a block or buffer live."""
     p = VMMPool(emulate=True, reserve=8 << 30)
     yield p
     _core.fault_inject(0, 0)
-    if not p._closed and p.statistics().current_count == 0:
-        p.close()  # pools are a process-wide resource (16 at most)
+    if p._closed:
+        return
+    st = p.statistics()
+    if (st.current_count, st.used_bytes, st.buffer_bytes) != (0, 0, 0):
+        pytest.fail(f"the test left {st.current_count} block(s) of {st.used_bytes} bytes and "
+                    f"{st.buffer_bytes} buffer bytes live in the pool")
+    p.close()  # pools are a process-wide resource (16 at most)
 
 
 def _fill(ptr, n, byte):
@@ -159,11 +165,28 @@ def test_idle_memory_is_moved_before_new_memory_is_created(pool):
 
 def test_best_fit_and_merging(pool):
     a, b, c = (pool.allocate(MiB) for _ in range(3))
+    assert (b, c) == (a + MiB, a + 2 * MiB)  # new blocks are cut from the top of the range
     pool.deallocate(a)
     pool.deallocate(b)
-    assert pool.allocate(2 * MiB) == a  # a and b merged
+    ab = pool.allocate(2 * MiB)
+    assert ab == a  # a and b merged into one free block, which fits exactly
     small = pool.allocate(4096)
-    assert a < small < c or small > c
+    assert small == c + MiB  # no free block left: cut from the top, after c
+    # Two holes, of 1 MiB (c's) and 3 MiB: a small block takes the smaller.
+    d = pool.allocate(3 * MiB)
+    pin = pool.allocate(4096)  # keeps d's hole from being the last block
+    assert (d, pin) == (small + 4096, small + 4096 + 3 * MiB)
+    pool.deallocate(d)
+    pool.deallocate(c)
+    tiny = pool.allocate(512)
+    assert tiny == c
+    # the rest of c's hole serves the next request that fits it, before d's
+    rest = pool.allocate(MiB - 512)
+    assert rest == c + 512
+    big = pool.allocate(2 * MiB)
+    assert big == d  # only d's hole fits
+    for p in (ab, small, pin, tiny, rest, big):
+        pool.deallocate(p)
 
 
 def test_stream_order(pool):
@@ -172,7 +195,10 @@ def test_stream_order(pool):
     pool.deallocate(a)
     b = pool.allocate(MiB, stream=2)
     assert b != a
-    assert pool.allocate(MiB, stream=1) == a
+    again = pool.allocate(MiB, stream=1)
+    assert again == a
+    pool.deallocate(b)
+    pool.deallocate(again)
 
 
 def test_limit(pool):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import _probe, backends
@@ -13,12 +14,29 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def _cupy_enable_ump(gpu: bool) -> str:
+    value = os.environ.get("CUPY_ENABLE_UMP")
+    state = "unset" if value is None else f"set to {value!r}"
+    if value == "1":
+        meaning = "as the GPU backends need" if gpu else "only the GPU backends use it"
+    elif gpu:
+        meaning = "the GPU backends need it set to 1 before Python starts (export CUPY_ENABLE_UMP=1)"
+    else:
+        meaning = "the host backend does not need it; the GPU backends need it set to 1"
+    return f"CUPY_ENABLE_UMP: {state} ({meaning})"
+
+
 def info(out=sys.stdout) -> int:
     caps = _probe.probe()
     w = out.write
     w(f"ump {__import__('ump').__version__}\n")
-    w(f"python {caps.python_version}, numpy {caps.numpy_version}, cupy {caps.cupy_version}, "
-      f"numpy_allocator {caps.numpy_allocator_version}, cuda-bindings {caps.cuda_bindings_version}\n")
+    w(f"python {caps.python_version}\n")
+    for name, version in (("numpy", caps.numpy_version), ("numpy_allocator", caps.numpy_allocator_version),
+                          ("cupy", caps.cupy_version), ("cuda-bindings", caps.cuda_bindings_version)):
+        missing = "not installed"
+        if name == "cupy" and caps.gpu:
+            missing += " (the GPU backends need it: pip install ump[cuda12] or ump[cuda13])"
+        w(f"{name}: {version or missing}\n")
     if not caps.gpu:
         w(f"GPU: none ({caps.reason})\n")
     else:
@@ -33,15 +51,23 @@ def info(out=sys.stdout) -> int:
             w(f"  host pointer for registered memory: {int(d.host_pointer_for_registered_mem)}\n")
             w(f"  VMM supported: {int(d.vmm_supported)}, granularity {_mib(d.vmm_granularity)} "
               f"(recommended {_mib(d.vmm_recommended_granularity)})\n")
+    w(_cupy_enable_ump(caps.gpu) + "\n")
     for name in backends.names():
-        device = caps.devices[0] if caps.gpu else None
-        why = backends.get(name).unavailable(caps, device)
+        backend = backends.get(name)
+        if backend.uses_gpu and not caps.gpu:
+            why = "no GPU"  # the reason is on the GPU line above
+        else:
+            why = backend.unavailable(caps, caps.devices[0] if caps.gpu else None)
         w(f"backend {name}: {'available' if why is None else 'unavailable: ' + why}\n")
     try:
-        chosen = backends.select("auto", caps).name
+        chosen = backends.select("auto", caps)
     except UmpError as err:
-        chosen = f"none ({err})"
-    w(f"enable() would choose: {chosen}\n")
+        w(f"enable() would choose: none ({err})\n")
+    else:
+        w(f"enable() would choose: {chosen.name}")
+        if chosen.uses_gpu and os.environ.get("CUPY_ENABLE_UMP") != "1":
+            w(", once CUPY_ENABLE_UMP=1 is set (until then it raises ump.UmpError)")
+        w("\n")
     return 0
 
 
@@ -63,8 +89,25 @@ def _run(parser, args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments get one line on stderr and exit status 2, not the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ump")
+    parser = _Parser(prog="python -m ump")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="report the probe and the backend enable() would pick")
     bench = sub.add_parser("bench", help="run the perf suite: stock CuPy vs ump")
@@ -76,7 +119,7 @@ def main(argv=None) -> int:
     bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
     bench.add_argument("--input", metavar="NEW.json", help="with --compare: compare this file, run nothing")
     bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag")
-    bench.add_argument("--rounds", type=int, default=1,
+    bench.add_argument("--rounds", type=_at_least_one, default=1,
                        help="run every configuration this many times, interleaved (spread across processes)")
     run = sub.add_parser(
         "run", help="run a program with ump enabled: python -m ump run [options] script.py|-m module [args]",
@@ -99,7 +142,10 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from . import bench as bench_mod
 
-        return bench_mod.main(args)
+        try:
+            return bench_mod.main(args)
+        except bench_mod.ArgumentError as err:
+            bench.error(str(err))
     return 2  # pragma: no cover
 
 

@@ -108,11 +108,13 @@ def asarray(obj):
     UmpError
         ump is not enabled with a GPU backend.
     """
+    # The argument is checked first, so a wrong type is reported as such
+    # whatever the state of ump.
+    if not (_is_cupy_array(obj) or isinstance(obj, numpy.ndarray)):
+        raise TypeError(f"ump.asarray() takes a NumPy or CuPy array, not {type(obj).__name__!r}")
     state = _require(gpu=True)
     if _is_cupy_array(obj):
         return obj
-    if not isinstance(obj, numpy.ndarray):
-        raise TypeError(f"ump.asarray() takes a NumPy or CuPy array, not {type(obj).__name__!r}")
     return state.cupy.array(obj, copy=None)
 
 

@@ -93,6 +93,12 @@ def _cupy_version() -> str | None:
     return None
 
 
+# cuda-bindings is an extra, not a dependency: its major version must match
+# the CUDA driver's, which pip cannot see.
+CUDA_BINDINGS_MISSING = ("cuda-bindings is not installed: pip install ump[cuda12] or ump[cuda13], "
+                         "matching the CUDA major version of the driver")
+
+
 class _DriverError(Exception):
     pass
 
@@ -161,7 +167,9 @@ def _probe_gpu() -> tuple[bool, str | None, tuple[DeviceInfo, ...], int | None, 
     try:
         from cuda.bindings import driver
     except ImportError as err:
-        return False, f"cuda-bindings is not importable: {err}", (), None, None
+        if isinstance(err, ModuleNotFoundError) and err.name in ("cuda", "cuda.bindings"):
+            return False, CUDA_BINDINGS_MISSING, (), None, None
+        return False, f"cuda-bindings is installed but not importable: {err}", (), None, None
     try:
         _call(driver.cuInit, 0)
     except _DriverError as err:

@@ -148,11 +148,11 @@ class VMMPool:
         self.granularity = self.statistics().granularity
 
     def _open_device(self) -> tuple[int, int]:
-        from cuda.bindings import driver
-
         caps = probe()
         if not caps.gpu:
             raise UmpError(f"a VMM pool needs a CUDA device ({caps.reason})")
+        from cuda.bindings import driver  # importable: the probe found the GPU through it
+
         info = device_info(caps, self.device)
         if not info.vmm_supported:
             raise UmpError(f"{info.name} (device {self.device}) does not support virtual memory management")

@@ -20,12 +20,30 @@ import time
 from .. import _probe, backends
 from .cases import CPU_SUITES, GPU_SUITES
 
-__all__ = ["configurations", "run", "compare", "table", "plot", "overhead"]
+__all__ = ["ArgumentError", "configurations", "run", "compare", "table", "plot", "overhead"]
+
+#: Every configuration name the worker understands; configurations() says
+#: which of them this machine runs.
+KNOWN_CONFIGS = ("stock", "imported", *backends.names(), "managed:host", "managed:migrate")
+
+
+class ArgumentError(ValueError):
+    """A bad command-line argument: ``python -m ump bench`` reports it on one line."""
+
+
+def _gpu_missing(caps) -> str | None:
+    """Why the GPU suites cannot run here, or None."""
+    if not caps.gpu:
+        return f"no GPU ({caps.reason})"
+    if caps.cupy_version is None:
+        return "CuPy is not installed (pip install ump[cuda12] or ump[cuda13])"
+    return None
 
 
 def configurations(caps, smoke: bool) -> list[str]:
-    if not caps.gpu or caps.cupy_version is None:
-        return ["stock", "imported", "host"]
+    if _gpu_missing(caps) is not None:
+        # the host backend runs only where there is no GPU
+        return ["stock", "imported"] + ([] if caps.gpu else ["host"])
     usable = [n for n in (*backends.AUTO_ORDER, "device")
               if backends.get(n).unavailable(caps, caps.devices[0]) is None]
     configs = ["stock", "imported"] + usable
@@ -42,14 +60,48 @@ def _summary(times):
             "min": min(times), "max": max(times), "n": len(times)}
 
 
+def _check_names(kind: str, names, known, runnable, why_not) -> None:
+    for name in names:
+        if name not in known:
+            raise ArgumentError(f"unknown {kind} {name!r}; known: {', '.join(known)}")
+        if name not in runnable:
+            raise ArgumentError(f"{kind} {name!r} cannot run on this machine: {why_not(name)}; "
+                                f"it runs {', '.join(runnable)}")
+
+
 def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
     (stock, imported, backend, stock, ...), so that slow drift of the machine
-    spreads over all configurations; repeats of all rounds are pooled."""
+    spreads over all configurations; repeats of all rounds are pooled.
+
+    Raises
+    ------
+    ArgumentError
+        An unknown suite or configuration, one this machine cannot run, or
+        ``rounds`` below 1.
+    """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ArgumentError(f"rounds must be an int >= 1, got {rounds!r}")
     caps = _probe.probe()
-    gpu = caps.gpu and caps.cupy_version is not None
+    missing = _gpu_missing(caps)
+
+    def config_why_not(name):
+        backend = name.partition(":")[0]
+        if backend in backends.names():
+            why = backends.get(backend).unavailable(caps, caps.devices[0] if caps.gpu else None)
+            if why is not None:
+                return why
+        return missing
+
+    runnable_suites = list(CPU_SUITES) + (list(GPU_SUITES) if missing is None else [])
+    if suites is not None:
+        _check_names("suite", suites, (*CPU_SUITES, *GPU_SUITES), runnable_suites, lambda _: missing)
+    if configs:
+        _check_names("configuration", configs, KNOWN_CONFIGS, configurations(caps, smoke=False), config_why_not)
     if suites is None:
-        suites = list(CPU_SUITES) + (list(GPU_SUITES) if gpu else [])
+        suites = runnable_suites
+        if missing is not None:
+            print(f"GPU suites skipped ({', '.join(GPU_SUITES)}): {missing}", file=progress, flush=True)
     configs = configs or configurations(caps, smoke)
     raw = {}
     t_start = time.perf_counter()
@@ -186,14 +238,41 @@ def plot(report, path) -> bool:
     return True
 
 
-def main(args) -> int:
-    if args.compare and args.input:
-        with open(args.input) as f:
+def _load(option: str, path: str) -> dict:
+    try:
+        with open(path) as f:
             report = json.load(f)
+    except FileNotFoundError:
+        raise ArgumentError(f"{option}: file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ArgumentError(f"{option}: cannot read {path}: {err}") from None
+    except json.JSONDecodeError as err:
+        raise ArgumentError(f"{option}: {path} is not JSON: {err}") from None
+    if not isinstance(report, dict) or not isinstance(report.get("results"), dict):
+        raise ArgumentError(f"{option}: {path} is not a bench report (no 'results')")
+    return report
+
+
+def _has_interop_cases(report) -> bool:
+    return any(case.split()[0] in ("asarray", "asnumpy", "roundtrip") for case in report["results"])
+
+
+def main(args) -> int:
+    """``python -m ump bench``. Bad arguments raise :class:`ArgumentError`
+    before anything runs or is written."""
+    if args.input and not args.compare:
+        raise ArgumentError("--input needs --compare")
+    old = _load("--compare", args.compare) if args.compare else None  # before a long run, not after
+    if args.compare and args.input:
+        report = _load("--input", args.input)
     else:
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
         report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds)
+        if not report["results"]:
+            # keep what an earlier run wrote rather than replace it with nothing
+            print(f"bench: the run produced no results; {args.output} not written", file=sys.stderr)
+            return 1
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
@@ -203,11 +282,18 @@ def main(args) -> int:
             print("\nOverhead on dispatch (CPU time):")
             print("\n".join(lines))
         print(f"\nJSON: {args.output}")
-        if args.plot and plot(report, args.plot):
-            print(f"plot: {args.plot}")
+        if args.plot:
+            if not _has_interop_cases(report):
+                print(f"plot not written ({args.plot}): no interop cases in this run (they need a GPU)",
+                      file=sys.stderr)
+            else:
+                os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+                if plot(report, args.plot):
+                    print(f"plot: {args.plot}")
+                else:
+                    print(f"plot not written ({args.plot}): matplotlib is not installed "
+                          "(pip install ump[bench])", file=sys.stderr)
     if args.compare:
-        with open(args.compare) as f:
-            old = json.load(f)
         slow = compare(old, report, threshold=args.threshold)
         for line in slow:
             print(f"SLOWER: {line}")

@@ -1,0 +1,69 @@
+"""``python -m ump info``: run as a user runs it, in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+GPU_BACKENDS = ("system", "managed", "pinned", "device")
+
+
+def _info(tmp_path, env_value=None, hide_cuda_bindings=False):
+    env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
+    if env_value is not None:
+        env["CUPY_ENABLE_UMP"] = env_value
+    if hide_cuda_bindings:
+        # None in sys.modules makes `import cuda` fail as it does where the package is absent
+        code = "import runpy, sys; sys.modules['cuda'] = None; runpy.run_module('ump', run_name='__main__')"
+        cmd = [sys.executable, "-c", code, "info"]
+    else:
+        cmd = [sys.executable, "-m", "ump", "info"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_info_without_cuda_bindings_says_why_once_and_how_to_install(tmp_path):
+    out = _info(tmp_path, hide_cuda_bindings=True)
+    lines = out.splitlines()
+    assert out.count("cuda-bindings is not installed") == 1
+    assert "GPU: none (cuda-bindings is not installed: pip install ump[cuda12] or ump[cuda13]" in out
+    for name in GPU_BACKENDS:
+        assert f"backend {name}: unavailable: no GPU" in lines
+    assert "backend host: available" in lines
+    assert "enable() would choose: host" in lines
+
+
+def test_info_without_gpu_says_why_once(tmp_path, caps):
+    if caps.gpu:
+        pytest.skip("this machine has a GPU")
+    out = _info(tmp_path)
+    assert out.count(caps.reason) == 1
+    assert f"GPU: none ({caps.reason})" in out.splitlines()
+
+
+def test_info_names_versions_and_missing_packages(tmp_path, caps):
+    lines = _info(tmp_path).splitlines()
+    assert f"python {caps.python_version}" in lines
+    for name, version in (("numpy", caps.numpy_version), ("numpy_allocator", caps.numpy_allocator_version),
+                          ("cuda-bindings", caps.cuda_bindings_version)):
+        assert f"{name}: {version or 'not installed'}" in lines
+    cupy = [line for line in lines if line.startswith("cupy:")]
+    if caps.cupy_version is None:
+        assert cupy[0].startswith("cupy: not installed")
+    else:
+        assert cupy == [f"cupy: {caps.cupy_version}"]
+    assert not any("None" in line for line in lines[:6])  # ump, python and the four packages
+
+
+@pytest.mark.parametrize("value, state", [(None, "unset"), ("1", "set to '1'"), ("0", "set to '0'")])
+def test_info_shows_cupy_enable_ump(tmp_path, caps, value, state):
+    (line,) = [x for x in _info(tmp_path, env_value=value).splitlines() if x.startswith("CUPY_ENABLE_UMP:")]
+    assert line.startswith(f"CUPY_ENABLE_UMP: {state} (")
+    if value == "1":
+        assert "need it set to 1" not in line
+    else:
+        assert "the GPU backends need it set to 1" in line
