@@ -210,3 +210,57 @@ def test_without_cuda_bindings_the_probe_says_how_to_install_them(tmp_path):
     assert (gpu, backend) == ("False", "host")
     assert reason.startswith("cuda-bindings is not installed")
     assert "pip install ump[cuda12] or ump[cuda13]" in reason
+
+
+def test_nested_enabled_keeps_the_outer_block_enabled(cpu_only):
+    with ump.enabled(cap=64 << 20):
+        with ump.enabled(cap=64 << 20):
+            assert ump.is_enabled()
+        assert ump.is_enabled() and ump.kind_of(np.ones(100)) == "host"  # the outer block still holds
+    assert not ump.is_enabled()
+    ump.enable()
+    with ump.enabled():
+        pass
+    assert ump.is_enabled()  # enabled before the block: the block leaves it so
+
+
+def test_options_as_an_instance_or_a_dict(cpu_only):
+    opts = ump.Options(cap=64 << 20, placement="host")
+    assert ump.enable(options=opts) == "host"
+    assert ump.enable(options={"cap": 64 << 20, "placement": "host"}) == "host"  # the same request
+    assert ump.statistics()["numpy"].cap_bytes == 64 << 20
+    ump.disable()
+    with pytest.raises(TypeError, match="not both"):
+        ump.enable(options=opts, cap=1 << 30)
+    with pytest.raises(TypeError, match="ump.Options or a dict"):
+        ump.enable(options=[("cap", 1)])
+
+
+def test_unknown_option_names_enable_and_the_options():
+    with pytest.raises(TypeError, match=r"enable\(\) got unknown option\(s\) 'capp'; the options are cap, "):
+        ump.enable(capp=1 << 30)
+
+
+def test_cap_below_one_chunk_is_refused():
+    with pytest.raises(ValueError, match="from one chunk .2097152. to 2\\*\\*63, got 4096"):
+        ump.enable(cap=4096)
+    with pytest.raises(ValueError, match="headroom must be a non-negative int"):
+        ump.enable(headroom=-1)
+
+
+def test_default_budgets_follow_where_memory_lives(monkeypatch):
+    """The GPU budget is free device memory less the headroom for memory the
+    GPU holds; host memory is bounded by a share of the host's as well."""
+    from ump import backends
+
+    monkeypatch.setattr(backends, "host_available_bytes", lambda: 100 << 30)
+    free, headroom = 140 << 30, 2 << 30
+    assert backends.MANAGED.default_cap(free, headroom) == 138 << 30  # the host does not bound it
+    assert backends.MANAGED.cupy_cap(free, headroom) == 138 << 30
+    assert backends.PINNED.default_cap(free, headroom) == 75 << 30  # 3/4 of the host's
+    assert backends.DEVICE.cupy_cap(free, headroom) == 138 << 30  # the VMM pool
+    assert backends.DEVICE.default_cap(free, headroom) == 75 << 30  # its NumPy side is pinned
+    assert backends.HOST.default_cap(None, 0) == 75 << 30
+    assert backends.default_headroom(141 << 30) == (141 << 30) // 64
+    assert backends.default_headroom(8 << 30) == 512 << 20
+    assert backends.PINNED.spills_to_device and not backends.MANAGED.spills_to_device

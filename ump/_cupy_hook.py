@@ -233,7 +233,12 @@ class CupyHook:
     def host_view(self, g, sync=True, stream=None):
         """A NumPy array over ``g``'s memory after the wait, or None."""
         iface = self.export(g, sync, stream)
-        return None if iface is None else numpy.asarray(_Export(iface, g))
+        if iface is None:
+            return None
+        view = numpy.asarray(_Export(iface, g))
+        # A typestr names a size, not a C type: 'q' (longlong) comes back
+        # as 'l' (long). Equal dtypes, but printed differently.
+        return view if view.dtype.char == g.dtype.char else view.view(g.dtype)
 
     def get(self, g, stream=None, order="C", out=None, blocking=True):
         """Stands in for ``cupy.ndarray.get``."""

@@ -1,0 +1,75 @@
+"""The pieces of ump/_cupy_compat.py that run without CuPy: DLPack capsule
+rewriting and finding a compiled module's private C variable."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import ump
+from ump import _core, _cupy_compat, _ucore
+
+
+class _Producer:
+    """A DLPack producer whose capsule ump rewrote to ``device_type``."""
+
+    def __init__(self, array, device_type, versioned):
+        self.array, self.device_type, self.versioned = array, device_type, versioned
+
+    def __dlpack_device__(self):
+        return (self.device_type, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        capsule = self.array.__dlpack__(max_version=(1, 0)) if self.versioned else self.array.__dlpack__()
+        _cupy_compat.set_capsule_device(capsule, self.device_type)
+        return capsule
+
+
+@pytest.mark.parametrize("versioned", [True, False], ids=["versioned", "legacy"])
+def test_set_capsule_device_rewrites_the_device_type(versioned):
+    a = np.arange(10.0)
+    # NumPy reads kDLCPU and the host-readable kDLCUDAManaged, at the same address
+    for device_type in (_cupy_compat.KDL_CPU, _cupy_compat.KDL_CUDA_MANAGED):
+        b = np.from_dlpack(_Producer(a, device_type, versioned))
+        assert b.ctypes.data == a.ctypes.data and b[3] == 3.0
+    # and refuses kDLCUDA: so the byte written is the device type
+    with pytest.raises((BufferError, RuntimeError), match="[Uu]nsupported device"):  # NumPy 2.5 / 2.4
+        np.from_dlpack(_Producer(a, _cupy_compat.KDL_CUDA, versioned))
+
+
+def test_set_capsule_device_refuses_other_objects():
+    with pytest.raises(ump.UmpError, match="DLPack capsule"):
+        _cupy_compat.set_capsule_device(object(), _cupy_compat.KDL_CUDA)
+
+
+def test_elf_symbol_finds_a_private_variable():
+    """The lookup ump uses for CuPy's flags, on ump's own extension: the
+    per-kind budgets (a static array in csrc/arena.c) hold the cap just set."""
+    found = _cupy_compat._elf_symbol(_ucore.__file__, b"budgets")
+    assert found is not None
+    offset, size = found
+    assert size == 16 * (_core.KIND_IDS["device"] + 1)  # {held, cap} per kind
+    cap = 48 << 20
+    _core.Arena("host", _core.PROVIDER_HOST, cap)
+    base = _cupy_compat._load_base(_ucore)
+    kind = _core.KIND_IDS["host"]
+    assert ctypes.c_uint64.from_address(base + offset + 16 * kind + 8).value == cap
+    assert _cupy_compat._elf_symbol(_ucore.__file__, b"no_such_symbol_in_ump") is None
+
+
+def test_patches_restore_what_was_there():
+    class Base:
+        def method(self):
+            return "base"
+
+    class Child(Base):
+        own = 1
+
+    patches = _cupy_compat.Patches()
+    patches.set(Child, "method", lambda self: "patched")
+    patches.set(Child, "own", 2)
+    assert Child().method() == "patched" and Child.own == 2
+    patches.restore()
+    assert Child().method() == "base" and "method" not in Child.__dict__ and Child.own == 1

@@ -1,0 +1,104 @@
+"""Starting ump from outside a program: ``python -m ump run`` and the pytest
+plugin, with the host backend (the GPU side runs in test_gpu_startup.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ump import _launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def cpu_only(caps):
+    if caps.gpu:
+        pytest.skip("the host backend runs only on machines without a GPU")
+
+
+def _run(args, cwd, env=None):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("UMP_")}
+    environ.update(env or {})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=environ,
+                          timeout=120)
+
+
+PROG = """
+    import sys, numpy as np, ump
+    print(ump.backend(), ump.kind_of(np.ones(4096)), __name__, sys.argv[1:])
+"""
+
+
+def test_run_script_with_arguments(cpu_only, tmp_path):
+    (tmp_path / "prog.py").write_text(textwrap.dedent(PROG))
+    run = _run(["-m", "ump", "run", "--cap", "64M", "prog.py", "a", "--flag"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "host host __main__ ['a', '--flag']"
+
+
+def test_run_module_with_options_from_the_environment(cpu_only, tmp_path):
+    (tmp_path / "progmod.py").write_text(textwrap.dedent(PROG))
+    run = _run(["-m", "ump", "run", "-m", "progmod", "x"], tmp_path, env={"UMP_BACKEND": "host", "UMP_CAP": "32MiB"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "host host __main__ ['x']"
+
+
+def test_run_script_errors_propagate(cpu_only, tmp_path):
+    (tmp_path / "bad.py").write_text("raise SystemExit(7)\n")
+    assert _run(["-m", "ump", "run", "bad.py"], tmp_path).returncode == 7
+    (tmp_path / "boom.py").write_text("raise KeyError('from the script')\n")
+    run = _run(["-m", "ump", "run", "boom.py"], tmp_path)
+    assert run.returncode == 1 and "KeyError: 'from the script'" in run.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "name a script or -m MODULE"),
+    (["--cap", "lots", "x.py"], "'lots' is not a size"),
+    (["--cap", "1", "x.py"], "smaller cap would send every array to plain memory"),
+    (["--backend", "nosuch", "x.py"], "unknown backend 'nosuch'"),
+    (["--device", "one", "x.py"], "device must be a device index"),
+])
+def test_run_bad_arguments_say_what_is_wrong(cpu_only, tmp_path, args, message):
+    run = _run(["-m", "ump", "run", *args], tmp_path)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_pytest_plugin_enables_ump_in_every_worker(cpu_only, tmp_path):
+    (tmp_path / "test_inner.py").write_text(textwrap.dedent("""
+        import numpy as np, pytest, ump
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_in_ump_memory(i):
+            assert ump.backend() == "host" and ump.kind_of(np.ones(100 + i)) == "host"
+    """))
+    for extra in ([], ["-n", "2"]):
+        run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--ump", "--ump-cap=64M", *extra,
+                    str(tmp_path)], tmp_path)
+        assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout + run.stderr
+
+
+def test_pytest_plugin_is_off_without_the_flag(cpu_only, tmp_path):
+    (tmp_path / "test_inner.py").write_text("import ump\n\ndef test_off():\n    assert ump.backend() is None\n")
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], tmp_path)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("text, value", [
+    ("4096", 4096), ("4G", 4 << 30), ("512MiB", 512 << 20), ("2k", 2048), ("1tb", 1 << 40), ("0.5", 0.5),
+])
+def test_parse_size(text, value):
+    got = _launch.parse_size(text)
+    assert got == value and type(got) is type(value)
+
+
+def test_settings_flags_win_over_the_environment():
+    env = {"UMP_BACKEND": "pinned", "UMP_CAP": "1G", "UMP_DEVICE": "1", "UMP_SYNC": "stream", "OTHER": "x"}
+    backend, options = _launch.settings({"cap": "2G", "placement": None}, environ=env)
+    assert backend == "pinned"
+    assert options == {"cap": 2 << 30, "device": 1, "sync": "stream"}
+    assert _launch.settings(None, environ={}) == ("auto", {})
