@@ -27,7 +27,7 @@ ump_dask = pytest.importorskip("ump.dask")
 SEED = 20240601
 SHAPE = (1200, 800)
 CHUNKS = (300, 800)  # row blocks; the rechunk to column blocks moves every piece
-CLUSTER = dict(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None)
+CLUSTER = dict(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=":0")
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_preload_takes_the_backend_from_the_environment(cpu_only, monkeypatch):
 def test_dask_worker_command_line(cpu_only, tmp_path):
     """``dask worker SCHEDULER --preload ump.dask --ump-backend host``, as on a cluster."""
     log = tmp_path / "worker.log"
-    with distributed.LocalCluster(n_workers=0, dashboard_address=None) as cluster, \
+    with distributed.LocalCluster(n_workers=0, dashboard_address=":0") as cluster, \
             distributed.Client(cluster) as client, open(log, "w") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
