@@ -1,0 +1,198 @@
+"""ump in Dask workers (ump.dask): the plugin, the preload, the CLI, and a
+dask.array pipeline whose chunks cross between worker processes.
+
+Every cluster here is a LocalCluster of two worker processes with one thread
+each, on the ``host`` backend: these are CPU tests (they skip on a machine
+with a GPU, where ``auto`` picks a unified backend).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import ump
+
+distributed = pytest.importorskip(
+    "distributed", reason="needs Dask's distributed scheduler: pip install -e '.[dask]'"
+)
+da = pytest.importorskip("dask.array", reason="needs dask.array: pip install -e '.[dask]'")
+ump_dask = pytest.importorskip("ump.dask")
+
+SEED = 20240601
+SHAPE = (1200, 800)
+CHUNKS = (300, 800)  # row blocks; the rechunk to column blocks moves every piece
+CLUSTER = dict(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=":0")
+
+
+@pytest.fixture
+def cpu_only(caps):
+    if caps.gpu:
+        pytest.skip("the host backend runs only on machines without a GPU")
+
+
+def _chunk(block_info=None):
+    # One generator per block, seeded by the block's place: the same numbers
+    # whichever worker makes the block, with or without ump.
+    info = block_info[None]
+    rng = np.random.default_rng([SEED, *info["chunk-location"]])
+    return rng.standard_normal(info["chunk-shape"])
+
+
+def _pipeline():
+    x = da.map_blocks(_chunk, chunks=da.core.normalize_chunks(CHUNKS, SHAPE), dtype=np.float64)
+    y = x.map_blocks(np.sin).map_blocks(np.cumsum, axis=1)
+    y = y.rechunk((SHAPE[0], 200))  # row blocks to column blocks: transfers between workers
+    z = y.map_blocks(lambda b: np.cumsum(b * b, axis=0))
+    return z, z.sum(axis=0), z.mean()
+
+
+def _reference():
+    """The pipeline's array computed with NumPy alone, in this process."""
+    rows = []
+    for i in range(SHAPE[0] // CHUNKS[0]):
+        rng = np.random.default_rng([SEED, i, 0])
+        rows.append(np.cumsum(np.sin(rng.standard_normal(CHUNKS)), axis=1))
+    y = np.concatenate(rows)
+    return np.cumsum(y * y, axis=0)
+
+
+def _compute(client):
+    z, col, mean = _pipeline()
+    z = client.persist(z)
+    distributed.wait(z)
+    kinds = client.run(_array_kinds)
+    moved = client.run(lambda dask_worker: dask_worker.state.transfer_incoming_count_total)
+    return client.compute([z, col, mean], sync=True), kinds, moved
+
+
+def _array_kinds(dask_worker):
+    """ump's kind of every NumPy array the worker holds: its own and fetched."""
+    return sorted({str(ump.kind_of(v)) for v in dask_worker.data.values() if isinstance(v, np.ndarray)})
+
+
+def _task_kind():
+    return ump.backend(), ump.kind_of(np.ones(1000))
+
+
+def _task_kinds(client, n=4):
+    futures = [client.submit(_task_kind, pure=False) for _ in range(n)]
+    distributed.wait(futures, timeout=30)  # a worker that died fails here, not at the suite's timeout
+    return set(client.gather(futures))
+
+
+def test_importing_ump_does_not_import_dask():
+    code = "import sys, ump; ump.probe(); sys.exit(any(m.split('.')[0] in ('dask', 'distributed') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_plugin_enables_every_worker(cpu_only):
+    with distributed.LocalCluster(**CLUSTER) as cluster, distributed.Client(cluster) as client:
+        assert set(ump_dask.backends(client).values()) == {None}
+        # tasks run before the plugin: the worker's threads already exist
+        assert _task_kinds(client) == {(None, None)}
+        client.register_plugin(ump_dask.UmpPlugin("host", cap=1 << 30))
+        got = ump_dask.backends(client)
+        assert len(got) == 2 and set(got.values()) == {"host"}
+        assert _task_kinds(client) == {("host", "host")}
+        client.unregister_worker_plugin(ump_dask.PLUGIN_NAME)
+        assert set(ump_dask.backends(client).values()) == {None}
+        assert _task_kinds(client) == {(None, None)}
+
+
+def test_plugin_failure_is_reported(cpu_only):
+    with pytest.raises(ValueError, match="unknown|backend"):
+        ump_dask.UmpPlugin("no-such-backend")
+    with pytest.raises(ValueError, match="placement"):
+        ump_dask.UmpPlugin("host", placement="nowhere")
+    with distributed.LocalCluster(**CLUSTER) as cluster, distributed.Client(cluster) as client:
+        with pytest.raises(ump.BackendUnavailableError):
+            client.register_plugin(ump_dask.UmpPlugin("managed"))
+        assert set(ump_dask.backends(client).values()) == {None}
+
+
+def test_preload_enables_every_worker(cpu_only):
+    with distributed.LocalCluster(**CLUSTER, preload=["ump.dask"],
+                                  preload_argv=["--ump-backend", "host", "--ump-cap", "1GiB"]) as cluster, \
+            distributed.Client(cluster) as client:
+        got = ump_dask.backends(client)
+        assert len(got) == 2 and set(got.values()) == {"host"}
+        assert _task_kinds(client) == {("host", "host")}
+
+
+def test_preload_takes_the_backend_from_the_environment(cpu_only, monkeypatch):
+    monkeypatch.setenv("UMP_BACKEND", "host")
+    monkeypatch.setenv("UMP_CAP", "0.25")
+    ctx = ump_dask.dask_setup.make_context("dask_setup", [])
+    assert ctx.params["ump_backend"] == "host" and ctx.params["ump_cap"] == "0.25"
+    ctx = ump_dask.dask_setup.make_context("dask_setup", ["--ump-backend", "auto"])
+    assert ctx.params["ump_backend"] == "auto"
+
+
+def test_dask_worker_command_line(cpu_only, tmp_path):
+    """``dask worker SCHEDULER --preload ump.dask --ump-backend host``, as on a cluster."""
+    log = tmp_path / "worker.log"
+    with distributed.LocalCluster(n_workers=0, dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as client, open(log, "w") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
+             "--nworkers", "1", "--nthreads", "1", "--no-dashboard", "--local-directory", str(tmp_path),
+             "--preload", "ump.dask", "--ump-backend", "host", "--ump-cap", "512MiB"],
+            stdout=out, stderr=subprocess.STDOUT,
+            # the tasks are this module's functions, pickled by reference
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
+                os.path.dirname(__file__), os.environ.get("PYTHONPATH"))))},
+        )
+        try:
+            client.wait_for_workers(1, timeout=30)
+            assert list(ump_dask.backends(client).values()) == ["host"], log.read_text()
+            assert _task_kinds(client, 2) == {("host", "host")}, log.read_text()
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+    assert "Failed to start preload" not in log.read_text()
+
+
+def test_parse_cap():
+    assert ump_dask.parse_cap("0.5") == 0.5
+    assert ump_dask.parse_cap("1") == 1
+    assert ump_dask.parse_cap("8GiB") == 8 << 30
+    assert ump_dask.parse_cap("8e9") == 8_000_000_000
+    assert ump_dask.parse_cap(None) is None
+    with pytest.raises(ValueError, match="ump-cap"):
+        ump_dask.parse_cap("half")
+    with pytest.raises(ValueError, match="ump-cap"):
+        ump_dask.parse_cap("1.5")
+
+
+def test_pipeline_same_with_and_without_ump(cpu_only):
+    """Same numbers, bit for bit, with ump in both workers (plugin and preload)
+    as without it; the rechunk moved chunks between the workers, and every
+    array a ump worker holds, made there or received, is in ump memory."""
+    t0 = time.monotonic()
+    expected = _reference()
+    with distributed.LocalCluster(**CLUSTER) as cluster, distributed.Client(cluster) as client:
+        (z0, col0, mean0), kinds0, moved0 = _compute(client)
+    assert all(k == ["None"] for k in kinds0.values()) and sum(moved0.values()) > 0
+    np.testing.assert_array_equal(z0, expected)
+
+    with distributed.LocalCluster(**CLUSTER) as cluster, distributed.Client(cluster) as client:
+        client.register_plugin(ump_dask.UmpPlugin("host", cap=1 << 30))
+        (z1, col1, mean1), kinds1, moved1 = _compute(client)
+    with distributed.LocalCluster(**CLUSTER, preload=["ump.dask"],
+                                  preload_argv=["--ump-backend", "host"]) as cluster, \
+            distributed.Client(cluster) as client:
+        (z2, col2, mean2), kinds2, moved2 = _compute(client)
+
+    for z, col, mean, kinds, moved in ((z1, col1, mean1, kinds1, moved1), (z2, col2, mean2, kinds2, moved2)):
+        np.testing.assert_array_equal(z, z0)
+        np.testing.assert_array_equal(col, col0)
+        assert mean == mean0
+        assert sum(moved.values()) > 0, "the rechunk moved no chunk between workers"
+        assert all(k == ["host"] for k in kinds.values()), kinds
+    assert time.monotonic() - t0 < 60

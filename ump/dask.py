@@ -1,0 +1,208 @@
+"""ump in every Dask worker: a worker plugin and a preload module.
+
+Two ways in, one mechanism (:class:`UmpPlugin`):
+
+- ``dask worker SCHEDULER --preload ump.dask --ump-backend managed`` (or
+  ``LocalCluster(preload=["ump.dask"])``, ``LocalCUDACluster(preload=...)``)
+  enables ump while the worker starts, before any task runs or CuPy is
+  imported there. This is the way to be first.
+- ``client.register_plugin(UmpPlugin("managed", cap=0.5))`` enables ump in
+  workers that are already running, and in every worker that joins later.
+
+:func:`backends` reports each worker's backend.
+
+Importing :mod:`ump` never imports Dask; importing this module does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+try:
+    import click
+    from distributed import WorkerPlugin
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError("ump.dask needs Dask's distributed scheduler: pip install 'ump[dask]'") from err
+
+import numpy
+
+from . import _enable, _numpy_hook, backends as _backends
+
+__all__ = ["UmpPlugin", "backends", "dask_setup", "parse_cap"]
+
+logger = logging.getLogger("distributed.worker")
+
+PLUGIN_NAME = "ump"
+
+
+class UmpPlugin(WorkerPlugin):
+    """Enable ump in a Dask worker process.
+
+    Parameters
+    ----------
+    backend : str
+        Passed to :func:`ump.enable` (``"auto"`` by default).
+    **options
+        Options of :func:`ump.enable` (:class:`ump.Options`); checked here,
+        in the client, so a typo fails before any worker sees it.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Bad options or an unknown backend name.
+
+    Notes
+    -----
+    The worker keeps the name of the backend it got in
+    ``worker.ump_backend``; :func:`backends` collects them.
+
+    NumPy keeps its allocator in a context variable (NEP 49) and Dask runs
+    each task in a copy of the context of the event-loop task that scheduled
+    it. Enabling ump in :meth:`setup` changes only the context ``setup`` runs
+    in, so the plugin also puts ump's handler into the context that starts
+    each task (:meth:`transition`): every task, and every NumPy array it
+    makes, then uses ump whenever the plugin was registered.
+
+    Registered on a running worker, the plugin comes after whatever that
+    worker already imported: :func:`ump.enable` raises there if CuPy was
+    imported with ``CUPY_ENABLE_UMP=1`` on a GPU without HMM/ATS. Start the
+    workers with the preload (``--preload ump.dask``) to be first.
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, backend: str = "auto", **options):
+        if backend != "auto":
+            _backends.get(backend)  # unknown names fail in the client
+        _enable.Options(**options)  # so do bad options
+        self.backend = backend
+        self.options = options
+        self._enabled = False
+
+    def setup(self, worker):
+        """Enable ump in the worker's process; store the backend on the worker.
+
+        Raises
+        ------
+        ump.UmpError, ump.BackendUnavailableError
+            From :func:`ump.enable`; Dask logs them in the worker and returns
+            them to ``client.register_plugin``.
+        """
+        from . import enable
+
+        name = enable(self.backend, **self.options)
+        self._enabled = True
+        worker.ump_backend = name
+        logger.info("ump enabled in worker %s: backend %r", worker.address, name)
+        return name
+
+    def transition(self, key, start, finish, **kwargs):
+        # Called by the worker's state machine in the context that goes on to
+        # create the task's execution, before it does: enter ump's handler
+        # there, once per context, so the copy the task runs in has it.
+        if finish == "executing" and self._enabled and _enable.current() is not None:
+            if numpy._core.multiarray.get_handler_name() != "ump":
+                _numpy_hook.handler_class().__enter__()
+
+    def teardown(self, worker):
+        """Disable ump again when the plugin is removed or the worker closes."""
+        from . import disable
+
+        if self._enabled:
+            self._enabled = False
+            disable()
+            worker.ump_backend = None
+
+
+def _worker_backend(dask_worker) -> str | None:
+    return getattr(dask_worker, "ump_backend", None)
+
+
+def backends(client) -> dict:
+    """Each worker's ump backend.
+
+    Parameters
+    ----------
+    client : distributed.Client
+
+    Returns
+    -------
+    dict
+        ``{worker address: backend name}``; None where ump is not enabled
+        (the worker's log says why, when enabling failed).
+    """
+    return client.run(_worker_backend)
+
+
+def parse_cap(text: str | int | float | None) -> int | float | None:
+    """A cap as written on a command line: ``"0.5"`` (a fraction of free
+    memory), ``"8GiB"``, ``"8e9"`` or ``"8000000000"`` (bytes).
+
+    Raises
+    ------
+    ValueError
+        Text that is neither a fraction nor an amount of bytes.
+    """
+    if text is None or isinstance(text, (int, float)):
+        return text
+    text = text.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        from dask.utils import parse_bytes
+
+        try:
+            return parse_bytes(text)
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"--ump-cap: {text!r} is neither a fraction nor an amount of bytes") from err
+    if 0.0 < value <= 1.0 and not text.isdigit():
+        return value
+    if value != int(value):
+        raise ValueError(f"--ump-cap: {text!r} is neither a fraction in (0, 1] nor a whole number of bytes")
+    return int(value)
+
+
+def _options_from_cli(cap, device, placement, prefetch_min, sync) -> dict:
+    options = {"device": device, "placement": placement, "sync": sync}
+    if cap is not None:
+        options["cap"] = parse_cap(cap)
+    if prefetch_min is not None:
+        from dask.utils import parse_bytes
+
+        options["prefetch_min"] = parse_bytes(prefetch_min)
+    return options
+
+
+@click.command()
+@click.option("--ump-backend", envvar="UMP_BACKEND", default="auto", show_default=True,
+              type=click.Choice(("auto",) + _backends.names()),
+              help="ump backend of each worker (env UMP_BACKEND)")
+@click.option("--ump-cap", envvar="UMP_CAP", default=None,
+              help="most memory ump may hold per worker: a fraction of free device memory "
+                   "(0.5) or bytes (8GiB) (env UMP_CAP; default: ump's)")
+@click.option("--ump-device", envvar="UMP_DEVICE", default=0, type=int, show_default=True,
+              help="CUDA device, counted among those the worker sees (dask-cuda gives each "
+                   "worker its GPU as device 0)")
+@click.option("--ump-placement", envvar="UMP_PLACEMENT", default="auto", show_default=True,
+              type=click.Choice(_enable._PLACEMENTS), help="placement of managed NumPy arrays")
+@click.option("--ump-prefetch-min", envvar="UMP_PREFETCH_MIN", default=None,
+              help="smallest block ever migrated, e.g. 2MiB")
+@click.option("--ump-sync", envvar="UMP_SYNC", default="device", show_default=True,
+              type=click.Choice(_enable._SYNCS), help="what a host export waits for")
+async def dask_setup(worker, ump_backend, ump_cap, ump_device, ump_placement, ump_prefetch_min, ump_sync):
+    """Preload entry point: enable ump as the worker starts.
+
+    Only workers enable ump: given to a scheduler or a nanny
+    (``--preload-nanny``) it does nothing there.
+    """
+    from distributed import Worker
+
+    if not isinstance(worker, Worker):
+        logger.info("ump.dask preload: %s is not a worker, nothing to do", type(worker).__name__)
+        return
+    options = _options_from_cli(ump_cap, ump_device, ump_placement, ump_prefetch_min, ump_sync)
+    plugin = UmpPlugin(ump_backend, **options)
+    # The same plugin as client.register_plugin installs: one way to enable,
+    # and re-registering from a client replaces it under the same name.
+    await worker.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
+
