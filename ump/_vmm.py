@@ -38,7 +38,11 @@ class VMMStatistics:
     buffers; ``reserved``: address space; ``mapped``: physical memory mapped
     into it; ``physical``: physical memory held (mapped + cached handles);
     ``idle``: mapped but touched by no live block. ``peak_*`` are high-water
-    marks, ``total_*`` sums over the pool's life.
+    marks, ``total_*`` sums over the pool's life. Views (:class:`MappedMemory`):
+    ``view``: address space they map; ``shared``: physical memory they own
+    (part of ``physical``); ``imported``: other processes' memory mapped
+    here (not part of ``physical``); ``views``: how many are open;
+    ``exports``: handles exported so far.
     """
 
     used_bytes: int
@@ -66,6 +70,11 @@ class VMMStatistics:
     migrations: int
     failures: int
     bad_frees: int
+    view_bytes: int
+    shared_bytes: int
+    imported_bytes: int
+    views: int
+    exports: int
 
 
 def _cupy():
