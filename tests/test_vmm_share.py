@@ -71,12 +71,16 @@ def _importer(handle, conn):
     conn.send(mem.pool.statistics().imported_bytes == 0)
 
 
-def test_two_processes_share_memory_both_ways(pool):
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+@pytest.mark.filterwarnings("ignore:.*fork:DeprecationWarning")  # 3.12+: fork with threads
+def test_two_processes_share_memory_both_ways(pool, method):
+    """spawn: the handle is pickled (its fd duplicated into the child);
+    fork: the child inherits it."""
     fds = _open_fds()
     mem = pool.allocate_shared(4 * MiB)
     a = mem.array()
     a[:] = 7
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(method)
     parent, child = ctx.Pipe()
     with mem.export() as handle:
         proc = ctx.Process(target=_importer, args=(handle, child))
@@ -190,6 +194,14 @@ def test_bad_handles_give_clear_errors(pool, tmp_path):
     st = pool.statistics()
     assert (st.imported_bytes, st.views) == (0, 1)
     mem.close()
+
+
+def test_no_sharing_where_handles_cannot_travel(pool, monkeypatch):
+    monkeypatch.setattr(_share.sys, "platform", "darwin")
+    with pytest.raises(ump.UmpError, match="needs Linux"):
+        pool.allocate_shared(GRAN)
+    with pytest.raises(ump.UmpError, match="needs Linux"):
+        ump.share.listen()
 
 
 def test_shared_memory_counts_against_the_limit_and_is_never_trimmed(pool):
