@@ -3,7 +3,9 @@
 A :class:`VMMPool` reserves one large address range on a device and maps
 physical memory into it on demand (csrc/vmm.c). It is a drop-in allocator
 for CuPy (``cupy.cuda.set_allocator(pool.malloc)``) and what
-``ump.enable(backend="device")`` installs.
+``ump.enable(backend="device")`` installs. A :class:`MappedMemory` maps
+physical memory at an address range of its own: memory shared with other
+processes, an alias of a block, a ring buffer, memory striped over devices.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import os
 import sys
 import threading
 import weakref
@@ -431,7 +434,10 @@ class VMMPool:
                            "handle", "UMP_ERR_HANDLE")
         mem = self._view(view, "imported", f"importing {handle.nbytes} bytes from pid {handle.pid}",
                          handle.size)
-        if handle.event is not None and not self.emulated:
+        # CUDA's IPC handles are for other processes (a memory handle fails
+        # to open in its own process; events are not relied on to differ):
+        # within one process the exporter's stream order is the caller's.
+        if handle.event is not None and not self.emulated and handle.pid != os.getpid():
             from ._share import wait_event
 
             wait_event(self.device, handle.event, stream)
@@ -713,8 +719,6 @@ class MappedMemory:
             try:
                 ev, event = record_event(self.pool.device, stream)
             except BaseException:
-                import os
-
                 os.close(fd.value)
                 raise
             self._events.append(ev)
