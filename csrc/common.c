@@ -27,6 +27,8 @@ const char *ump__status_name(int status)
     case UMP_ERR_FORKED: return "UMP_ERR_FORKED";
     case UMP_ERR_ARG: return "UMP_ERR_ARG";
     case UMP_ERR_INJECTED: return "UMP_ERR_INJECTED";
+    case UMP_ERR_HANDLE: return "UMP_ERR_HANDLE";
+    case UMP_ERR_UNSUPPORTED: return "UMP_ERR_UNSUPPORTED";
     default: return NULL;
     }
 }

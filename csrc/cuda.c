@@ -61,6 +61,11 @@ int ump_cuda_load(const char *path)
     LOAD(memGetAllocationGranularity, "cuMemGetAllocationGranularity");
     LOAD(ctxSynchronize, "cuCtxSynchronize");
     LOAD(memcpyDtoD, "cuMemcpyDtoD_v2");
+    LOAD(memExportToShareableHandle, "cuMemExportToShareableHandle");
+    LOAD(memImportFromShareableHandle, "cuMemImportFromShareableHandle");
+    LOAD(memGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle");
+    ump__cu.share = ump__cu.memExportToShareableHandle && ump__cu.memImportFromShareableHandle &&
+                    ump__cu.memGetAllocationPropertiesFromHandle;
     ump__cu.vmm = ump__cu.memAddressReserve && ump__cu.memAddressFree && ump__cu.memCreate &&
                   ump__cu.memRelease && ump__cu.memMap && ump__cu.memUnmap &&
                   ump__cu.memSetAccess && ump__cu.memGetAllocationGranularity &&

@@ -60,6 +60,10 @@ typedef struct {
 
 #define CU_MEM_ALLOCATION_TYPE_PINNED 1
 #define CU_MEM_HANDLE_TYPE_NONE 0 /* no shareable handle */
+/* An allocation created with this in requestedHandleTypes can be exported
+ * (cuMemExportToShareableHandle) as a file descriptor, which another process
+ * imports (cuMemImportFromShareableHandle, the fd passed as the void *). */
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
 #define CU_MEM_ALLOC_GRANULARITY_RECOMMENDED 1
 

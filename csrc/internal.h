@@ -78,6 +78,12 @@ typedef struct {
     CUresult (*memSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*memGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
     CUresult (*memcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
+    /* Sharing physical memory between processes (CUDA 10.2+): `share` says
+     * all three exist. */
+    int share;
+    CUresult (*memExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+    CUresult (*memImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
+    CUresult (*memGetAllocationPropertiesFromHandle)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
 } ump__driver_t;
 
 UMP_HIDDEN extern ump__driver_t ump__cu;

@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define UMP_ABI_VERSION 2
+#define UMP_ABI_VERSION 3
 
 /* CuPy's kernels and memory pool work in 512-byte units, so every block is
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
@@ -49,6 +49,8 @@ enum ump_provider {
 #define UMP_ERR_FORKED (-4)     /* a child after fork() must not call CUDA */
 #define UMP_ERR_ARG (-5)        /* a bad argument (size, arena id, ...) */
 #define UMP_ERR_INJECTED (-6)   /* failure injected by ump_fault_inject() */
+#define UMP_ERR_HANDLE (-7)     /* not a shareable handle of ump's, or not the one described */
+#define UMP_ERR_UNSUPPORTED (-8) /* the driver cannot share physical memory */
 
 #define UMP_MAX_ARENAS 8
 #define UMP_MAX_POOLS 16
@@ -99,6 +101,10 @@ typedef struct {
     uint64_t limit_bytes, granularity;
     uint64_t handles, handles_created, handles_released, maps, unmaps;
     uint64_t rollbacks, migrations, failures, bad_frees;
+    uint64_t view_bytes;            /* address space mapped by views */
+    uint64_t shared_bytes;          /* handles views own (in physical_bytes) */
+    uint64_t imported_bytes;        /* other processes' memory mapped here */
+    uint64_t views, exports;        /* live views; handles exported so far */
 } ump_vmm_stats_t;
 
 /* provider: UMP_PROVIDER_DEVICE, or UMP_PROVIDER_HOST for the same pool on an
@@ -119,6 +125,17 @@ int ump_vmm_buffer_create(int pool, uint64_t max_bytes);
 int ump_vmm_buffer_destroy(int pool, int buf);
 int ump_vmm_buffer_resize(int pool, int buf, uint64_t bytes);
 int ump_vmm_buffer_info(int pool, int buf, uintptr_t *ptr, uint64_t *size);
+
+/* Views: address ranges of their own over physical memory, each with its own
+ * reservation. Each returns a view id or -1. */
+int ump_vmm_shared_create(int pool, uint64_t bytes);  /* exportable memory */
+int ump_vmm_export(int pool, int view, int *fd);        /* a new fd the caller owns */
+int ump_vmm_import(int pool, int fd, uint64_t bytes, int device);
+int ump_vmm_alias_create(int pool, uintptr_t ptr, uint64_t bytes, uintptr_t *alias);
+int ump_vmm_ring_create(int pool, uint64_t bytes);     /* bytes mapped twice, back to back */
+int ump_vmm_striped_create(int pool, uint64_t bytes, const int *devices, int ndevices);
+int ump_vmm_view_info(int pool, int view, uintptr_t *ptr, uint64_t *size);
+int ump_vmm_view_destroy(int pool, int view);
 
 /* --- registry ------------------------------------------------------------ */
 /* Kind of the live block holding ptr (UMP_KIND_NONE if none), in an arena or

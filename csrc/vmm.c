@@ -36,14 +36,22 @@
  * Every pool has one mutex; all operations, CUDA calls included, run under
  * it, which makes each multi-step mapping a transaction other threads never
  * see half-done.
+ *
+ * Views (the end of this file) give physical memory a second address range:
+ * memory shared with other processes (exported as a file descriptor,
+ * imported there), an alias of a block, a ring buffer mapped twice back to
+ * back, memory striped over devices.
  */
 #define _GNU_SOURCE
 #include "internal.h"
 
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define NBINS 128      /* 4 bins per power of two of 512-byte units */
@@ -69,17 +77,25 @@ typedef struct {
     uint64_t h;        /* CUmemGenericAllocationHandle, or a memfd */
     uint64_t ngran;
     int device;
-    int region;        /* -1: cached (unmapped); 0: main range; b+1: buffer b */
+    int region;        /* -1: cached (unmapped); 0: main range; b+1: region b */
     uint64_t at;       /* first granule where mapped */
     uint64_t busy;     /* main range: its granules that live blocks touch */
+    int view;          /* v+1: owned by view v, released with it; 0: the pool's */
+    int imported;      /* another process's memory: not counted as the pool's */
+    int pins;          /* aliases mapping it too: it must stay where it is */
 } handle_t;
+
+/* What a region beyond the main range is. */
+enum { REGION_MAIN, REGION_BUFFER, REGION_SHARED, REGION_IMPORTED, REGION_ALIAS, REGION_RING,
+       REGION_STRIPED };
 
 typedef struct {
     uintptr_t va;
     uint64_t ngran;
     int64_t *gh;       /* per granule: index of the handle mapped there, or -1 */
-    uint64_t size;     /* buffers: bytes in use */
+    uint64_t size;     /* buffers: bytes in use; views: bytes mapped */
     int live;
+    int kind;          /* REGION_* */
 } region_t;
 
 typedef struct {
@@ -97,7 +113,7 @@ typedef struct {
     size_t nlive, caplive;
     handle_t *hs;
     size_t nh, caph;
-    region_t *bufs;
+    region_t *bufs;    /* buffers and views */
     int nbufs;
     int ndev;
     int devs[MAX_DEVICES];
@@ -129,37 +145,102 @@ static void ph_leave(pool_t *p, int pushed)
         ump__ctx_leave(pushed);
 }
 
-static CUmemAllocationProp prop_for(int device)
+static CUmemAllocationProp prop_for(int device, int exportable)
 {
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    prop.requestedHandleTypes =
+        exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = device;
     return prop;
 }
 
-static int ph_create(pool_t *p, uint64_t bytes, int device, uint64_t *out)
+/* The emulation's exportable memory: a memfd of this name whose size is
+ * sealed, so no process holding it can shrink it under another's mapping
+ * (which would turn that process's reads into SIGBUS). An importer checks
+ * both, which tells a handle of ump's from any other file descriptor. */
+#define SHARE_NAME "ump-vmm-shared"
+#define SHARE_SEALS (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+
+static int ph_create(pool_t *p, uint64_t bytes, int device, int exportable, uint64_t *out)
 {
     if (ump__injected_failure())
         return UMP_ERR_INJECTED;
     if (p->provider == UMP_PROVIDER_HOST) {
-        int fd = memfd_create("ump-vmm", MFD_CLOEXEC);
+        int fd = exportable ? memfd_create(SHARE_NAME, MFD_CLOEXEC | MFD_ALLOW_SEALING)
+                            : memfd_create("ump-vmm", MFD_CLOEXEC);
         if (fd < 0)
             return UMP_ERR_NOMEM;
-        if (ftruncate(fd, (off_t)bytes) != 0) {
+        if (ftruncate(fd, (off_t)bytes) != 0 ||
+            (exportable && fcntl(fd, F_ADD_SEALS, SHARE_SEALS) != 0)) {
             close(fd);
             return UMP_ERR_NOMEM;
         }
         *out = (uint64_t)fd;
         return UMP_OK;
     }
-    CUmemAllocationProp prop = prop_for(device);
+    CUmemAllocationProp prop = prop_for(device, exportable);
     CUmemGenericAllocationHandle h = 0;
     int status = ump__cu.memCreate(&h, bytes, &prop, 0);
     *out = h;
     return status;
+}
+
+/* A new file descriptor for an exportable handle; the caller owns it. */
+static int ph_export(pool_t *p, uint64_t h, int *fd)
+{
+    *fd = -1;
+    if (p->provider == UMP_PROVIDER_HOST) {
+        *fd = fcntl((int)h, F_DUPFD_CLOEXEC, 0);
+        return *fd < 0 ? UMP_ERR_NOMEM : UMP_OK;
+    }
+    return ump__cu.memExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+}
+
+/* A handle of our own for the physical memory behind another process's
+ * exported fd (which stays the caller's). `bytes`: the size the exporter
+ * described; `*device` is set to where the memory lives. */
+static int ph_import(pool_t *p, int fd, uint64_t bytes, uint64_t *h, int *device)
+{
+    if (fcntl(fd, F_GETFD) < 0)
+        return UMP_ERR_HANDLE; /* closed */
+    if (p->provider == UMP_PROVIDER_HOST) {
+        char link[32], name[64];
+        struct stat st;
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(link, name, sizeof name - 1);
+        name[n > 0 ? n : 0] = 0;
+        if (strncmp(name, "/memfd:" SHARE_NAME, strlen("/memfd:" SHARE_NAME)) != 0 ||
+            fcntl(fd, F_GET_SEALS) != SHARE_SEALS || fstat(fd, &st) != 0 ||
+            (uint64_t)st.st_size != bytes)
+            return UMP_ERR_HANDLE;
+        int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (own < 0)
+            return UMP_ERR_NOMEM;
+        *h = (uint64_t)own;
+        return UMP_OK;
+    }
+    /* The driver cannot tell the size before mapping: a handle smaller than
+     * described fails at cuMemMap. */
+    CUmemGenericAllocationHandle ch = 0;
+    int status = ump__cu.memImportFromShareableHandle(&ch, (void *)(uintptr_t)fd,
+                                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (status != CUDA_SUCCESS)
+        return status;
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    status = ump__cu.memGetAllocationPropertiesFromHandle(&prop, ch);
+    if (status == CUDA_SUCCESS && prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        status = UMP_ERR_HANDLE;
+    if (status != CUDA_SUCCESS) {
+        ump__cu.memRelease(ch);
+        return status;
+    }
+    *h = ch;
+    *device = prop.location.id;
+    return UMP_OK;
 }
 
 static void ph_release(pool_t *p, uint64_t h)
@@ -252,7 +333,9 @@ static region_t *region_of(pool_t *p, int region)
     return region == 0 ? &p->main : &p->bufs[region - 1];
 }
 
-static int64_t handle_new(pool_t *p, uint64_t h, uint64_t ngran, int device)
+/* Record a handle. `view`: v+1 for a handle view v owns; `imported`: the
+ * memory is another process's, so it is not counted as the pool's. */
+static int64_t handle_new(pool_t *p, uint64_t h, uint64_t ngran, int device, int view, int imported)
 {
     size_t i;
     for (i = 0; i < p->nh; i++)
@@ -274,7 +357,15 @@ static int64_t handle_new(pool_t *p, uint64_t h, uint64_t ngran, int device)
     e->h = h;
     e->ngran = ngran;
     e->device = device;
-    e->region = -1;
+    e->region = view ? view : -1;
+    e->view = view;
+    e->imported = imported;
+    if (imported) {
+        p->st.imported_bytes += ngran * p->gran;
+        return (int64_t)i;
+    }
+    if (view)
+        p->st.shared_bytes += ngran * p->gran;
     p->st.physical_bytes += ngran * p->gran;
     p->st.handles_created++;
     if (p->st.physical_bytes > p->st.peak_physical_bytes)
@@ -285,10 +376,17 @@ static int64_t handle_new(pool_t *p, uint64_t h, uint64_t ngran, int device)
 static void handle_drop(pool_t *p, int64_t i)
 {
     handle_t *e = &p->hs[i];
+    uint64_t bytes = e->ngran * p->gran;
     ph_release(p, e->h);
-    p->st.physical_bytes -= e->ngran * p->gran;
-    p->st.handles_released++;
     e->ngran = 0;
+    if (e->imported) {
+        p->st.imported_bytes -= bytes;
+        return;
+    }
+    if (e->view)
+        p->st.shared_bytes -= bytes;
+    p->st.physical_bytes -= bytes;
+    p->st.handles_released++;
 }
 
 static void handle_place(pool_t *p, int64_t i, int region, uint64_t at)
@@ -343,7 +441,7 @@ static uint64_t scavenge(pool_t *p)
     int synced = 0;
     for (size_t i = 0; i < p->nh; i++) {
         handle_t *e = &p->hs[i];
-        if (e->ngran && e->region == 0 && e->busy == 0) {
+        if (e->ngran && e->region == 0 && e->busy == 0 && e->pins == 0) {
             /* A kernel queued before the blocks were freed may still read
              * these pages: unmapping them under it would fault. */
             if (!synced++)
@@ -465,15 +563,15 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
                 goto undo;
             }
             uint64_t h;
-            status = ph_create(p, n * p->gran, p->device, &h);
+            status = ph_create(p, n * p->gran, p->device, 0, &h);
             /* Out of device memory: the cached handles this run could not
              * use may make room (idle mappings were scavenged above). */
             if ((status == CUDA_ERROR_OUT_OF_MEMORY || status == UMP_ERR_NOMEM) &&
                 release_cached(p, 0))
-                status = ph_create(p, n * p->gran, p->device, &h);
+                status = ph_create(p, n * p->gran, p->device, 0, &h);
             if (status != UMP_OK)
                 goto undo;
-            i = handle_new(p, h, n, p->device);
+            i = handle_new(p, h, n, p->device, 0, 0);
             if (i < 0) {
                 ph_release(p, h);
                 status = UMP_ERR_NOMEM;
@@ -756,7 +854,7 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
             status = UMP_ERR_NOCUDA; /* a driver without the VMM API */
         if (status != UMP_OK)
             return fail(status);
-        CUmemAllocationProp prop = prop_for(device);
+        CUmemAllocationProp prop = prop_for(device, 0);
         size_t g = 0;
         int pushed = ump__ctx_enter((void *)ctx);
         status = ump__cu.memGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
@@ -957,10 +1055,10 @@ int ump_vmm_stats(int id, ump_vmm_stats_t *out)
         return fail(UMP_ERR_ARG);
     pthread_mutex_lock(&p->lock);
     *out = p->st;
-    out->cached_bytes = p->st.physical_bytes - p->st.mapped_bytes;
+    out->cached_bytes = p->st.physical_bytes - p->st.mapped_bytes - p->st.shared_bytes;
     uint64_t idle = 0;
     for (size_t i = 0; i < p->nh; i++)
-        if (p->hs[i].ngran && p->hs[i].region == 0 && p->hs[i].busy == 0)
+        if (p->hs[i].ngran && p->hs[i].region == 0 && p->hs[i].busy == 0 && !p->hs[i].pins)
             idle += p->hs[i].ngran * p->gran;
     out->idle_bytes = idle;
     out->handles = 0;
@@ -1037,7 +1135,47 @@ int ump_vmm_devices(int id, int *out, int max)
 
 static region_t *buffer_get(pool_t *p, int buf)
 {
-    return buf >= 0 && buf < p->nbufs && p->bufs[buf].live ? &p->bufs[buf] : NULL;
+    return buf >= 0 && buf < p->nbufs && p->bufs[buf].live && p->bufs[buf].kind == REGION_BUFFER
+               ? &p->bufs[buf]
+               : NULL;
+}
+
+/* A region slot of `kind` with a reservation of `ngran` granules, nothing
+ * mapped. Under the pool's lock. */
+static int region_open(pool_t *p, int kind, uint64_t ngran, int *idx)
+{
+    int b;
+    for (b = 0; b < p->nbufs; b++)
+        if (!p->bufs[b].live)
+            break;
+    if (b == p->nbufs) {
+        region_t *bufs = realloc(p->bufs, (size_t)(p->nbufs + 1) * sizeof *bufs);
+        if (!bufs)
+            return UMP_ERR_NOMEM;
+        p->bufs = bufs;
+        memset(&bufs[p->nbufs++], 0, sizeof *bufs);
+    }
+    region_t *r = &p->bufs[b];
+    r->gh = malloc(ngran * sizeof *r->gh);
+    if (!r->gh)
+        return UMP_ERR_NOMEM;
+    memset(r->gh, 0xff, ngran * sizeof *r->gh);
+    int pushed, status = ph_enter(p, &pushed);
+    if (status == UMP_OK)
+        status = ph_reserve(p, ngran * p->gran, &r->va);
+    ph_leave(p, pushed);
+    if (status != UMP_OK) {
+        free(r->gh);
+        memset(r, 0, sizeof *r);
+        return status;
+    }
+    r->ngran = ngran;
+    r->kind = kind;
+    r->live = 1;
+    r->size = 0;
+    p->st.reserved_bytes += ngran * p->gran;
+    *idx = b;
+    return UMP_OK;
 }
 
 int ump_vmm_buffer_create(int id, uint64_t max_bytes)
@@ -1046,43 +1184,8 @@ int ump_vmm_buffer_create(int id, uint64_t max_bytes)
     if (!p || max_bytes == 0 || max_bytes > ((uint64_t)1 << 47))
         return fail(UMP_ERR_ARG);
     pthread_mutex_lock(&p->lock);
-    int buf;
-    for (buf = 0; buf < p->nbufs; buf++)
-        if (!p->bufs[buf].live)
-            break;
-    int status = UMP_OK;
-    if (buf == p->nbufs) {
-        region_t *bufs = realloc(p->bufs, (size_t)(p->nbufs + 1) * sizeof *bufs);
-        if (!bufs)
-            status = UMP_ERR_NOMEM;
-        else {
-            p->bufs = bufs;
-            memset(&bufs[p->nbufs++], 0, sizeof *bufs);
-        }
-    }
-    region_t *r = &p->bufs[buf];
-    if (status == UMP_OK) {
-        r->ngran = (max_bytes + p->gran - 1) / p->gran;
-        r->gh = malloc(r->ngran * sizeof *r->gh);
-        status = r->gh ? UMP_OK : UMP_ERR_NOMEM;
-    }
-    if (status == UMP_OK) {
-        int pushed;
-        memset(r->gh, 0xff, r->ngran * sizeof *r->gh);
-        status = ph_enter(p, &pushed);
-        if (status == UMP_OK)
-            status = ph_reserve(p, r->ngran * p->gran, &r->va);
-        ph_leave(p, pushed);
-        if (status != UMP_OK) {
-            free(r->gh);
-            r->gh = NULL;
-        }
-    }
-    if (status == UMP_OK) {
-        r->live = 1;
-        r->size = 0;
-        p->st.reserved_bytes += r->ngran * p->gran;
-    }
+    int buf = -1;
+    int status = region_open(p, REGION_BUFFER, (max_bytes + p->gran - 1) / p->gran, &buf);
     pthread_mutex_unlock(&p->lock);
     return status == UMP_OK ? buf : fail(status);
 }
@@ -1186,7 +1289,7 @@ static int migrate_handle(pool_t *p, int64_t i, int device)
     region_t *r = region_of(p, e->region);
     uintptr_t va = r->va + e->at * p->gran, tmp = 0;
     uint64_t bytes = e->ngran * p->gran, nh;
-    int status = ph_create(p, bytes, device, &nh);
+    int status = ph_create(p, bytes, device, 0, &nh);
     if (status != UMP_OK)
         return status;
     status = ph_reserve(p, bytes, &tmp);
@@ -1255,15 +1358,16 @@ int ump_vmm_migrate(int id, uintptr_t ptr, uint64_t bytes, int device)
     region_t *r = region_at(p, ptr, &region);
     for (int d = 0; d < p->ndev; d++)
         granted |= p->devs[d] == device;
-    if (!r || !granted || ptr + bytes > r->va + r->ngran * p->gran)
-        status = UMP_ERR_ARG;
+    if (!r || !granted || ptr + bytes > r->va + r->ngran * p->gran ||
+        (region != 0 && r->kind != REGION_BUFFER))
+        status = UMP_ERR_ARG; /* a view's handles are mapped elsewhere too, or not ours */
     uint64_t g0 = 0, g1 = 0;
     if (status == UMP_OK) {
         g0 = (ptr - r->va) / p->gran;
         g1 = (ptr + bytes - 1 - r->va) / p->gran;
         for (uint64_t g = g0; g <= g1; g++)
-            if (r->gh[g] < 0)
-                status = UMP_ERR_ARG; /* not backed: no live memory there */
+            if (r->gh[g] < 0 || p->hs[r->gh[g]].pins)
+                status = UMP_ERR_ARG; /* not backed, or an alias maps it too */
     }
     int pushed = 0;
     if (status == UMP_OK)
@@ -1300,6 +1404,319 @@ int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
     if (dev < -1)
         return fail(UMP_ERR_ARG);
     return dev;
+}
+
+/* --- views ------------------------------------------------------------------
+ * A view is a region with a reservation of its own over physical memory that
+ * is either its own (shared, ring, striped), another process's (imported), or
+ * the main range's (an alias). Its gh records each mapping, a handle's
+ * `view` the handles it owns, a handle's `pins` the aliases that map it:
+ * that record is also the undo log, so a view that fails half-way is taken
+ * apart by the same view_close that ends a finished one.
+ *
+ * A pinned handle stays where it is: scavenging and migration leave it alone
+ * (an alias would keep the old memory while the block moved to new). A
+ * view's own handles are never cached, scavenged or trimmed; they go when the
+ * view does. Physical memory another process imported stays alive there
+ * after the view releases its handle: the driver (or the kernel, for a memfd)
+ * frees it when the last process lets go. */
+
+static int view_kind(int kind) { return kind >= REGION_SHARED; }
+
+static region_t *view_get(pool_t *p, int v)
+{
+    return v >= 0 && v < p->nbufs && p->bufs[v].live && view_kind(p->bufs[v].kind) ? &p->bufs[v]
+                                                                                 : NULL;
+}
+
+/* Unmap, release what it owns, unpin what it borrows, free the reservation.
+ * The caller synchronised (or nothing ran on it yet). */
+static void view_close(pool_t *p, int v)
+{
+    region_t *r = &p->bufs[v];
+    for (uint64_t g = 0; g < r->ngran;) {
+        int64_t i = r->gh[g];
+        if (i < 0) {
+            g++;
+            continue;
+        }
+        ph_unmap(p, r->va + g * p->gran, p->hs[i].ngran * p->gran);
+        if (r->kind == REGION_ALIAS)
+            p->hs[i].pins--;
+        p->st.view_bytes -= p->hs[i].ngran * p->gran;
+        g += p->hs[i].ngran;
+    }
+    for (size_t i = 0; i < p->nh; i++)
+        if (p->hs[i].ngran && p->hs[i].view == v + 1)
+            handle_drop(p, (int64_t)i);
+    ph_unreserve(p, r->va, r->ngran * p->gran);
+    p->st.reserved_bytes -= r->ngran * p->gran;
+    p->st.views--;
+    free(r->gh);
+    memset(r, 0, sizeof *r);
+}
+
+/* Open a view of `ngran` granules: enter the device, reserve. */
+static int view_begin(pool_t *p, int kind, uint64_t ngran, int *v, int *pushed)
+{
+    *v = -1;
+    int status = ph_enter(p, pushed);
+    if (status == UMP_OK && p->provider != UMP_PROVIDER_HOST && !ump__cu.share &&
+        (kind == REGION_SHARED || kind == REGION_IMPORTED))
+        status = UMP_ERR_UNSUPPORTED;
+    if (status == UMP_OK)
+        status = region_open(p, kind, ngran, v);
+    if (status == UMP_OK)
+        p->st.views++;
+    else
+        *v = -1;
+    return status;
+}
+
+/* Grant access to the whole view; on any failure take it apart. */
+static int view_end(pool_t *p, int v, int status, int pushed)
+{
+    if (status == UMP_OK) {
+        region_t *r = &p->bufs[v];
+        status = ump__injected_failure() ? UMP_ERR_INJECTED
+                                         : ph_access(p, r->va, r->ngran * p->gran);
+        if (status == UMP_OK)
+            r->size = r->ngran * p->gran;
+    }
+    if (status != UMP_OK) {
+        if (v >= 0) {
+            view_close(p, v);
+            p->st.rollbacks++;
+        }
+        p->st.failures++;
+    }
+    ph_leave(p, pushed);
+    return status;
+}
+
+/* A handle of `ngran` granules on `device`, owned by view v. */
+static int view_handle(pool_t *p, int v, uint64_t ngran, int device, int exportable, int64_t *out)
+{
+    uint64_t bytes = ngran * p->gran, limit = p->st.limit_bytes, h;
+    if (limit && p->st.physical_bytes + bytes > limit)
+        release_cached(p, 0);
+    if (limit && p->st.physical_bytes + bytes > limit)
+        return UMP_ERR_CAP;
+    int status = ph_create(p, bytes, device, exportable, &h);
+    if ((status == CUDA_ERROR_OUT_OF_MEMORY || status == UMP_ERR_NOMEM) && release_cached(p, 0))
+        status = ph_create(p, bytes, device, exportable, &h);
+    if (status != UMP_OK)
+        return status;
+    *out = handle_new(p, h, ngran, device, v + 1, 0);
+    if (*out < 0) {
+        ph_release(p, h);
+        return UMP_ERR_NOMEM;
+    }
+    return UMP_OK;
+}
+
+/* Map handle i at granule g of view v. */
+static int view_map(pool_t *p, int v, uint64_t g, int64_t i)
+{
+    region_t *r = &p->bufs[v];
+    handle_t *e = &p->hs[i];
+    int status = ph_map(p, r->va + g * p->gran, e->ngran * p->gran, e->h);
+    if (status != UMP_OK)
+        return status;
+    for (uint64_t k = 0; k < e->ngran; k++)
+        r->gh[g + k] = i;
+    if (r->kind == REGION_ALIAS)
+        e->pins++;
+    p->st.view_bytes += e->ngran * p->gran;
+    return UMP_OK;
+}
+
+static uint64_t granules(pool_t *p, uint64_t bytes) { return (bytes + p->gran - 1) / p->gran; }
+
+int ump_vmm_shared_create(int id, uint64_t bytes)
+{
+    pool_t *p = pool_get(id);
+    if (!p || bytes == 0 || bytes > ((uint64_t)1 << 47))
+        return fail(UMP_ERR_ARG);
+    pthread_mutex_lock(&p->lock);
+    int v, pushed;
+    int64_t i;
+    int status = view_begin(p, REGION_SHARED, granules(p, bytes), &v, &pushed);
+    if (status == UMP_OK)
+        status = view_handle(p, v, granules(p, bytes), p->device, 1, &i);
+    if (status == UMP_OK)
+        status = view_map(p, v, 0, i);
+    status = view_end(p, v, status, pushed);
+    pthread_mutex_unlock(&p->lock);
+    return status == UMP_OK ? v : fail(status);
+}
+
+int ump_vmm_export(int id, int view, int *fd)
+{
+    pool_t *p = pool_get(id);
+    if (!p || !fd)
+        return fail(UMP_ERR_ARG);
+    pthread_mutex_lock(&p->lock);
+    region_t *r = view_get(p, view);
+    int pushed = 0, status = r && r->kind == REGION_SHARED ? ph_enter(p, &pushed) : UMP_ERR_ARG;
+    if (status == UMP_OK)
+        status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_export(p, p->hs[r->gh[0]].h, fd);
+    if (status == UMP_OK)
+        p->st.exports++;
+    ph_leave(p, pushed);
+    pthread_mutex_unlock(&p->lock);
+    return status == UMP_OK ? UMP_OK : fail(status);
+}
+
+int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
+{
+    pool_t *p = pool_get(id);
+    if (!p || fd < 0 || bytes == 0 || bytes % p->gran || bytes > ((uint64_t)1 << 47))
+        return fail(p && fd >= 0 && bytes ? UMP_ERR_HANDLE : UMP_ERR_ARG);
+    pthread_mutex_lock(&p->lock);
+    int v, pushed;
+    int64_t i = -1;
+    uint64_t h;
+    int status = view_begin(p, REGION_IMPORTED, bytes / p->gran, &v, &pushed);
+    if (status == UMP_OK)
+        status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_import(p, fd, bytes, &h, &device);
+    if (status == UMP_OK) {
+        i = handle_new(p, h, bytes / p->gran, device, v + 1, 1);
+        if (i < 0) {
+            ph_release(p, h);
+            status = UMP_ERR_NOMEM;
+        }
+    }
+    if (status == UMP_OK)
+        status = view_map(p, v, 0, i);
+    status = view_end(p, v, status, pushed);
+    pthread_mutex_unlock(&p->lock);
+    return status == UMP_OK ? v : fail(status);
+}
+
+/* Map the handles under [ptr, ptr+bytes) of one live block a second time.
+ * cuMemMap maps whole handles only (its offset must be 0), so the alias
+ * spans the handles' granules; *alias is where ptr appears in it. */
+int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias)
+{
+    pool_t *p = pool_get(id);
+    if (!p || bytes == 0 || !alias)
+        return fail(UMP_ERR_ARG);
+    pthread_mutex_lock(&p->lock);
+    uint64_t off = ptr - p->main.va;
+    size_t k = ptr >= p->main.va ? live_find(p, off + 1) : 0;
+    blk_t *b = k ? p->live[k - 1] : NULL;
+    if (!b || off + bytes > b->off + b->size || off + bytes < off) {
+        pthread_mutex_unlock(&p->lock);
+        return fail(UMP_ERR_ARG); /* not inside one live block */
+    }
+    /* A live block's granules are all backed (touch mapped them). */
+    handle_t *first = &p->hs[p->main.gh[off / p->gran]];
+    handle_t *last = &p->hs[p->main.gh[(off + bytes - 1) / p->gran]];
+    uint64_t a0 = first->at, a1 = last->at + last->ngran;
+    int v, pushed;
+    int status = view_begin(p, REGION_ALIAS, a1 - a0, &v, &pushed);
+    for (uint64_t g = a0; g < a1 && status == UMP_OK;) {
+        int64_t i = p->main.gh[g];
+        status = view_map(p, v, g - a0, i);
+        g += p->hs[i].ngran;
+    }
+    status = view_end(p, v, status, pushed);
+    if (status == UMP_OK)
+        *alias = p->bufs[v].va + (off - a0 * p->gran);
+    pthread_mutex_unlock(&p->lock);
+    return status == UMP_OK ? v : fail(status);
+}
+
+/* One handle of `bytes` (whole granules) mapped at va and again at
+ * va + bytes: byte i and byte i + bytes are the same memory. */
+int ump_vmm_ring_create(int id, uint64_t bytes)
+{
+    pool_t *p = pool_get(id);
+    if (!p || bytes == 0 || bytes % p->gran || bytes > ((uint64_t)1 << 46))
+        return fail(UMP_ERR_ARG);
+    pthread_mutex_lock(&p->lock);
+    uint64_t n = bytes / p->gran;
+    int v, pushed;
+    int64_t i;
+    int status = view_begin(p, REGION_RING, 2 * n, &v, &pushed);
+    if (status == UMP_OK)
+        status = view_handle(p, v, n, p->device, 0, &i);
+    if (status == UMP_OK)
+        status = view_map(p, v, 0, i);
+    if (status == UMP_OK)
+        status = view_map(p, v, n, i);
+    status = view_end(p, v, status, pushed);
+    pthread_mutex_unlock(&p->lock);
+    return status == UMP_OK ? v : fail(status);
+}
+
+/* Granule g on devices[g % ndevices], every device of the pool given access
+ * to all of it. The devices must have been granted access to the pool. */
+int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevices)
+{
+    pool_t *p = pool_get(id);
+    if (!p || bytes == 0 || bytes > ((uint64_t)1 << 47) || !devices || ndevices < 1 ||
+        ndevices > MAX_DEVICES)
+        return fail(UMP_ERR_ARG);
+    pthread_mutex_lock(&p->lock);
+    int status = UMP_OK;
+    for (int d = 0; d < ndevices; d++) {
+        int granted = 0;
+        for (int k = 0; k < p->ndev; k++)
+            granted |= p->devs[k] == devices[d];
+        if (!granted)
+            status = UMP_ERR_ARG;
+    }
+    if (status != UMP_OK) {
+        pthread_mutex_unlock(&p->lock);
+        return fail(status); /* grant them access first */
+    }
+    int v, pushed;
+    status = view_begin(p, REGION_STRIPED, granules(p, bytes), &v, &pushed);
+    for (uint64_t g = 0; status == UMP_OK && g < p->bufs[v].ngran; g++) {
+        int64_t i;
+        status = view_handle(p, v, 1, devices[g % (uint64_t)ndevices], 0, &i);
+        if (status == UMP_OK)
+            status = view_map(p, v, g, i);
+    }
+    status = view_end(p, v, status, pushed);
+    pthread_mutex_unlock(&p->lock);
+    return status == UMP_OK ? v : fail(status);
+}
+
+int ump_vmm_view_info(int id, int view, uintptr_t *ptr, uint64_t *size)
+{
+    pool_t *p = pool_get(id);
+    if (!p || !ptr || !size)
+        return fail(UMP_ERR_ARG);
+    pthread_mutex_lock(&p->lock);
+    region_t *r = view_get(p, view);
+    if (r) {
+        *ptr = r->va;
+        *size = r->size;
+    }
+    pthread_mutex_unlock(&p->lock);
+    return r ? UMP_OK : fail(UMP_ERR_ARG);
+}
+
+int ump_vmm_view_destroy(int id, int view)
+{
+    pool_t *p = pool_get(id);
+    if (!p)
+        return fail(UMP_ERR_ARG);
+    pthread_mutex_lock(&pools_lock); /* as buffers: lookups read regions under it */
+    pthread_mutex_lock(&p->lock);
+    int status = view_get(p, view) ? ph_sync(p) : UMP_ERR_ARG;
+    if (status == UMP_OK) {
+        int pushed;
+        ph_enter(p, &pushed);
+        view_close(p, view);
+        ph_leave(p, pushed);
+    }
+    pthread_mutex_unlock(&p->lock);
+    pthread_mutex_unlock(&pools_lock);
+    return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 /* --- lookup (for ump_lookup, lookup.c) ------------------------------------ */

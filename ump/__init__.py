@@ -13,7 +13,8 @@ from ._errors import BackendUnavailableError, OutOfMemoryError, UmpError, UmpWar
 from ._probe import Capabilities, DeviceInfo, probe
 from ._enable import Options, disable, enable, enabled, is_enabled
 from ._api import advise, asarray, asnumpy, kind_of, migrate, prefetch, statistics, synchronize, trim
-from ._vmm import GrowableBuffer, VMMPool, VMMStatistics
+from ._vmm import GrowableBuffer, MappedMemory, VMMPool, VMMStatistics
+from ._share import ExportHandle, import_handle
 
 
 def backend():
@@ -29,7 +30,9 @@ __all__ = [
     "BackendUnavailableError",
     "Capabilities",
     "DeviceInfo",
+    "ExportHandle",
     "GrowableBuffer",
+    "MappedMemory",
     "Options",
     "OutOfMemoryError",
     "Statistics",
@@ -44,6 +47,7 @@ __all__ = [
     "disable",
     "enable",
     "enabled",
+    "import_handle",
     "is_enabled",
     "kind_of",
     "migrate",

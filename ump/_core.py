@@ -12,7 +12,7 @@ import dataclasses
 from . import _ucore
 from ._errors import OutOfMemoryError, UmpError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
     raise ImportError(
         f"ump's C extension has ABI {_ucore.ABI_VERSION}, the Python layer expects "
@@ -24,7 +24,7 @@ KINDS = {1: "host", 2: "system", 3: "managed", 4: "pinned", 5: "device"}
 KIND_IDS = {name: kind for kind, name in KINDS.items()}
 PROVIDER_HOST, PROVIDER_MANAGED, PROVIDER_PINNED, PROVIDER_DEVICE = 0, 1, 2, 3
 MAX_ARENAS = 8
-ERR_CAP, ERR_INJECTED = -2, -6
+ERR_CAP, ERR_ARG, ERR_INJECTED, ERR_HANDLE, ERR_UNSUPPORTED = -2, -5, -6, -7, -8
 ARENA_ADVISE_HOST, ARENA_CUPY = 1, 2
 ALIGN = 512
 
@@ -86,6 +86,7 @@ _CVmmStats = _u64_struct("_CVmmStats", (
     "limit_bytes", "granularity",
     "handles", "handles_created", "handles_released", "maps", "unmaps",
     "rollbacks", "migrations", "failures", "bad_frees",
+    "view_bytes", "shared_bytes", "imported_bytes", "views", "exports",
 ))
 
 
@@ -105,6 +106,21 @@ vmm_buffer_destroy = _sig("ump_vmm_buffer_destroy", _int, _int, _int)
 vmm_buffer_resize = _sig("ump_vmm_buffer_resize", _int, _int, _int, _u64)
 vmm_buffer_info = _sig("ump_vmm_buffer_info", _int, _int, _int, ctypes.POINTER(_uptr),
                        ctypes.POINTER(_u64))
+vmm_shared_create = _sig("ump_vmm_shared_create", _int, _int, _u64)
+vmm_export = _sig("ump_vmm_export", _int, _int, _int, ctypes.POINTER(_int))
+vmm_import = _sig("ump_vmm_import", _int, _int, _int, _u64, _int)
+vmm_alias_create = _sig("ump_vmm_alias_create", _int, _int, _uptr, _u64, ctypes.POINTER(_uptr))
+vmm_ring_create = _sig("ump_vmm_ring_create", _int, _int, _u64)
+vmm_striped_create = _sig("ump_vmm_striped_create", _int, _int, _u64, ctypes.POINTER(_int), _int)
+vmm_view_info = _sig("ump_vmm_view_info", _int, _int, _int, ctypes.POINTER(_uptr), ctypes.POINTER(_u64))
+vmm_view_destroy = _sig("ump_vmm_view_destroy", _int, _int, _int)
+
+
+def vmm_view(pool: int, view: int) -> tuple[int, int]:
+    """(address, bytes mapped) of a pool's view."""
+    ptr, size = _uptr(), _u64()
+    check(vmm_view_info(pool, view, ctypes.byref(ptr), ctypes.byref(size)), "reading a view")
+    return ptr.value, size.value
 
 
 def vmm_buffer(pool: int, buf: int) -> tuple[int, int]:

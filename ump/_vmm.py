@@ -3,7 +3,9 @@
 A :class:`VMMPool` reserves one large address range on a device and maps
 physical memory into it on demand (csrc/vmm.c). It is a drop-in allocator
 for CuPy (``cupy.cuda.set_allocator(pool.malloc)``) and what
-``ump.enable(backend="device")`` installs.
+``ump.enable(backend="device")`` installs. A :class:`MappedMemory` maps
+physical memory at an address range of its own: memory shared with other
+processes, an alias of a block, a ring buffer, memory striped over devices.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import os
 import sys
 import threading
+import weakref
 
 from . import _core
 from ._cupy_compat import out_of_memory_error
 from ._errors import OutOfMemoryError, UmpError
 from ._probe import _call, check_device_index, device_info, probe
 
-__all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "pool_of"]
+__all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "MappedMemory", "pool_of"]
 
 _pools: dict[int, "VMMPool"] = {}
 _pools_lock = threading.Lock()
@@ -38,7 +42,11 @@ class VMMStatistics:
     buffers; ``reserved``: address space; ``mapped``: physical memory mapped
     into it; ``physical``: physical memory held (mapped + cached handles);
     ``idle``: mapped but touched by no live block. ``peak_*`` are high-water
-    marks, ``total_*`` sums over the pool's life.
+    marks, ``total_*`` sums over the pool's life. Views (:class:`MappedMemory`):
+    ``view``: address space they map; ``shared``: physical memory they own
+    (part of ``physical``); ``imported``: other processes' memory mapped
+    here (not part of ``physical``); ``views``: how many are open;
+    ``exports``: handles exported so far.
     """
 
     used_bytes: int
@@ -66,6 +74,11 @@ class VMMStatistics:
     migrations: int
     failures: int
     bad_frees: int
+    view_bytes: int
+    shared_bytes: int
+    imported_bytes: int
+    views: int
+    exports: int
 
 
 def _cupy():
@@ -357,6 +370,142 @@ class VMMPool:
             raise ValueError(f"[{ptr:#x}, +{size}) is not mapped memory of this pool")
         return dev
 
+    # --- views: a second address range over physical memory ---------------------
+    def _view(self, view: int, kind: str, what: str, size: int, nbytes: int | None = None,
+              ptr: int | None = None) -> "MappedMemory":
+        if view < 0:
+            status = _core.last_status()
+            name = _core.error_name(status)
+            if status == _core.ERR_CAP or name == "CUDA_ERROR_OUT_OF_MEMORY":
+                limit = self.get_limit()
+                raise OutOfMemoryError(f"{what}: out of memory" + (f" (limit {limit} bytes)" if limit else ""),
+                                       name)
+            if status == _core.ERR_UNSUPPORTED:
+                raise UmpError(f"{what}: the CUDA driver cannot share physical memory "
+                               "(no cuMemExportToShareableHandle)", name)
+            raise UmpError(what, name)
+        base, mapped = _core.vmm_view(self.id, view)
+        return MappedMemory(self, view, kind, base if ptr is None else ptr, size,
+                            size if nbytes is None else nbytes, mapped)
+
+    def allocate_shared(self, size: int) -> "MappedMemory":
+        """Memory other processes can map: :meth:`MappedMemory.export` gives
+        an :class:`ump.ExportHandle` for :func:`ump.import_handle`.
+
+        It has physical memory of its own (whole granules, created exportable:
+        ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``) and an address range of
+        its own; it counts against the pool's limit and is never trimmed.
+
+        Raises
+        ------
+        UmpError
+            This platform or driver cannot share memory between processes.
+        OutOfMemoryError
+            The limit or the device is exhausted.
+        """
+        from ._share import check_platform
+
+        size = _positive(size, "size")
+        check_platform()
+        if not self.emulated:
+            self._check_shareable()
+        return self._view(_core.vmm_shared_create(self.id, size), "shared",
+                          f"allocating {size} shareable bytes", size)
+
+    def _check_shareable(self) -> None:
+        from cuda.bindings import driver
+
+        dev = _call(driver.cuDeviceGet, self.device)
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+        if not _call(driver.cuDeviceGetAttribute, attr, dev):
+            raise UmpError(f"device {self.device} cannot export memory as a file descriptor")
+
+    def import_handle(self, handle, *, stream: int = 0) -> "MappedMemory":
+        """Map memory another process exported (see :func:`ump.import_handle`)."""
+        from ._share import ExportHandle
+
+        if not isinstance(handle, ExportHandle):
+            raise TypeError(f"expected an ump.ExportHandle, got {type(handle).__name__}")
+        fd = handle._importable_by(self)
+        view = _core.vmm_import(self.id, fd, handle.nbytes, handle.device)
+        if view < 0 and _core.last_status() == _core.ERR_HANDLE:
+            raise UmpError(f"file descriptor {fd} is not the shareable memory its handle describes "
+                           f"({handle.nbytes} bytes exported by pid {handle.pid}): a foreign or stale "
+                           "handle", "UMP_ERR_HANDLE")
+        mem = self._view(view, "imported", f"importing {handle.nbytes} bytes from pid {handle.pid}",
+                         handle.size)
+        # CUDA's IPC handles are for other processes (a memory handle fails
+        # to open in its own process; events are not relied on to differ):
+        # within one process the exporter's stream order is the caller's.
+        if handle.event is not None and not self.emulated and handle.pid != os.getpid():
+            from ._share import wait_event
+
+            wait_event(self.device, handle.event, stream)
+        return mem
+
+    def alias(self, ptr: int, size: int) -> "MappedMemory":
+        """The bytes ``[ptr, ptr+size)`` of a live block at a second address
+        (the same physical memory mapped again); ``.ptr`` is where ``ptr``
+        appears there.
+
+        Whole physical chunks are mapped (CUDA maps whole handles), so the
+        neighbours of the block in them are reachable too. While the alias
+        is open the pool keeps those chunks where they are: it neither
+        scavenges nor migrates them. Close the alias before freeing the block.
+
+        Notes
+        -----
+        CUDA does not guarantee coherence between two virtual addresses of the
+        same memory within one grid or across concurrent grids: write through
+        one address in a kernel, read through the other in a later kernel (or
+        after a stream synchronisation).
+
+        Raises
+        ------
+        ValueError
+            ``[ptr, ptr+size)`` is not inside one live block of this pool.
+        """
+        size = _positive(size, "size")
+        out = _core._uptr()
+        view = _core.vmm_alias_create(self.id, ptr, size, ctypes.byref(out))
+        if view < 0 and _core.last_status() == _core.ERR_ARG:
+            raise ValueError(f"[{ptr:#x}, +{size}) is not inside one live block of this pool")
+        return self._view(view, "alias", f"aliasing {size} bytes at {ptr:#x}", size, ptr=out.value)
+
+    def ring(self, size: int) -> "MappedMemory":
+        """A ring buffer: ``size`` bytes of physical memory mapped twice, back
+        to back, so byte ``i`` and byte ``i + size`` are the same memory and a
+        read or write that runs past the end continues at the start, without
+        wrapping code. ``size`` must be a multiple of :attr:`granularity`.
+
+        Notes
+        -----
+        The coherence caveat of :meth:`alias` holds between the two halves.
+        """
+        size = _positive(size, "size")
+        if size % self.granularity:
+            raise ValueError(f"a ring's size must be a multiple of the pool's granularity "
+                             f"({self.granularity} bytes), got {size}")
+        return self._view(_core.vmm_ring_create(self.id, size), "ring",
+                          f"mapping a ring of {size} bytes", size, 2 * size)
+
+    def striped(self, size: int, devices) -> "MappedMemory":
+        """``size`` bytes whose granules alternate between the physical memory
+        of ``devices`` (granule *g* on ``devices[g % len(devices)]``), every
+        device of the pool given access to all of it; the devices are first
+        granted access to the pool (:meth:`grant`, which checks peer access
+        both ways). :meth:`device_of` tells where each granule lives.
+        """
+        size = _positive(size, "size")
+        devices = [check_device_index(d) for d in devices]
+        if not devices or len(devices) > 16:
+            raise ValueError(f"give 1 to 16 devices, got {len(devices)}")
+        for d in devices:
+            self.grant(d)
+        arr = (ctypes.c_int * len(devices))(*devices)
+        return self._view(_core.vmm_striped_create(self.id, size, arr, len(devices)), "striped",
+                          f"striping {size} bytes over devices {devices}", size)
+
     # --- growable buffers ----------------------------------------------------------
     def buffer(self, max_bytes: int, size: int = 0) -> "GrowableBuffer":
         """A buffer that grows in place up to ``max_bytes``, keeping its address."""
@@ -368,8 +517,9 @@ class VMMPool:
             return
         status = _core.vmm_destroy(self._id)
         if status:
-            raise UmpError(f"the pool still has {self.statistics().current_count} live block(s) "
-                           "or buffers; free them before close()")
+            st = self.statistics()
+            raise UmpError(f"the pool still has {st.current_count} live block(s), buffers or "
+                           f"{st.views} open view(s); free or close them before close()")
         self._closed = True
         with _pools_lock:
             _pools.pop(self._id, None)
@@ -440,6 +590,169 @@ class GrowableBuffer:
         if self._buf is not None:
             _core.check(_core.vmm_buffer_destroy(self.pool.id, self._buf), "releasing a buffer")
             self._buf = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _positive(n, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"{what} must be a positive int, got {n!r}")
+    return n
+
+
+class _Lease:
+    """The owner of one array over a view: the view cannot close while one
+    is alive, so an array never outlives its mapping."""
+
+    def __init__(self, mem: "MappedMemory", nbytes: int):
+        self.mem = mem
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
+                                    "data": (mem.ptr, False)}
+
+
+class MappedMemory:
+    """An address range of its own over a pool's physical memory.
+
+    Made by :meth:`VMMPool.allocate_shared` (exportable to other processes),
+    :func:`ump.import_handle` (another process's memory), :meth:`VMMPool.alias`,
+    :meth:`VMMPool.ring` and :meth:`VMMPool.striped`.
+
+    Attributes
+    ----------
+    ptr : int
+        Its first byte (for an alias, where the aliased ``ptr`` appears).
+    size : int
+        The bytes asked for; for a ring its capacity.
+    nbytes : int
+        The bytes addressable from ``ptr``: ``size``, or ``2 * size`` for a ring.
+    kind : str
+        ``"shared"``, ``"imported"``, ``"alias"``, ``"ring"`` or ``"striped"``.
+
+    Notes
+    -----
+    Two virtual addresses of the same memory (an alias and its block, the two
+    halves of a ring, an exporter's and an importer's mappings) are not kept
+    coherent by CUDA within one grid or across concurrent grids: write through
+    one in a kernel, read through the other in a later kernel on the same
+    stream or after a synchronisation. On the host (the emulated pool) they
+    are ordinary shared mappings and always coherent.
+    """
+
+    def __init__(self, pool: VMMPool, view: int, kind: str, ptr: int, size: int, nbytes: int,
+                 mapped: int):
+        self.pool = pool
+        self._view = view
+        self.kind = kind
+        self.ptr = ptr
+        self.size = size
+        self.nbytes = nbytes
+        self.mapped_bytes = mapped
+        self._leases: weakref.WeakSet = weakref.WeakSet()
+        self._events = []  # IPC events recorded by export(stream=...), alive until close
+
+    def __repr__(self):
+        state = "closed" if self._view is None else f"{self.nbytes} bytes at {self.ptr:#x}"
+        return f"<ump.MappedMemory {self.kind}: {state}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    def _check_open(self):
+        if self._view is None:
+            raise UmpError(f"this {self.kind} memory is closed")
+
+    def array(self, shape=None, dtype="uint8"):
+        """An array over the memory from :attr:`ptr`: a NumPy array for an
+        emulated pool, a CuPy array on a GPU. ``shape`` defaults to all of
+        :attr:`nbytes`. The array keeps this object open."""
+        import numpy
+
+        self._check_open()
+        dtype = numpy.dtype(dtype)
+        if shape is None:
+            shape = (self.nbytes // dtype.itemsize,)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+        if n > self.nbytes:
+            raise ValueError(f"an array of {n} bytes does not fit in {self.nbytes} bytes")
+        lease = _Lease(self, n)
+        self._leases.add(lease)
+        if self.pool.emulated:
+            return numpy.asarray(lease).view(dtype).reshape(shape)
+        cupy = _cupy()
+        mem = cupy.cuda.memory.UnownedMemory(self.ptr, n, lease, self.pool.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.memory.MemoryPointer(mem, 0))
+
+    def device_of(self, offset: int = 0, size: int = 1) -> int:
+        """The device whose memory backs ``[ptr+offset, ptr+offset+size)``; -1 if mixed."""
+        self._check_open()
+        return self.pool.device_of(self.ptr + offset, size)
+
+    def export(self, *, stream: int | None = None):
+        """An :class:`ump.ExportHandle` for another process: a new file
+        descriptor for the physical memory, and what the importer needs to
+        map it. Only memory from :meth:`VMMPool.allocate_shared` exports.
+
+        With ``stream`` (GPU), an inter-process event is recorded on it and
+        travels with the handle; the importer's stream waits for it, so work
+        queued here before the export is ordered before the importer's.
+
+        The physical memory lives while any process maps it or holds a
+        handle: closing it here (or this process exiting) leaves importers
+        their memory.
+        """
+        from ._share import ExportHandle, record_event
+
+        self._check_open()
+        if self.kind != "shared":
+            raise UmpError(f"only memory from allocate_shared() exports, not {self.kind} memory")
+        fd = _core._int(-1)
+        _core.check(_core.vmm_export(self.pool.id, self._view, ctypes.byref(fd)),
+                    "exporting shareable memory")
+        event = None
+        if stream is not None and not self.pool.emulated:
+            try:
+                ev, event = record_event(self.pool.device, stream)
+            except BaseException:
+                os.close(fd.value)
+                raise
+            self._events.append(ev)
+        return ExportHandle(fd.value, size=self.size, nbytes=self.mapped_bytes,
+                            granularity=self.pool.granularity, device=self.pool.device,
+                            emulated=self.pool.emulated, event=event)
+
+    def close(self) -> None:
+        """Unmap (after waiting for the device) and release what it owns.
+
+        Raises
+        ------
+        UmpError
+            Arrays made by :meth:`array` are still alive.
+        """
+        if self._view is None:
+            return
+        alive = len(self._leases)
+        if alive:
+            raise UmpError(f"{alive} array(s) over this {self.kind} memory are still alive; "
+                           "delete them before close()")
+        _core.check(_core.vmm_view_destroy(self.pool.id, self._view), f"closing {self.kind} memory")
+        self._view = None
+        if self._events:
+            from ._share import destroy_events
+
+            destroy_events(self.pool.device, self._events)
+            self._events = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def __del__(self):
         try:

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../../csrc/ump.h"
 
@@ -190,18 +191,66 @@ static void *pool_worker(void *arg)
     return NULL;
 }
 
+/* Views made and taken apart while the workers allocate, free, scavenge and
+ * trim around them: an alias must keep its chunks where they are. */
+static void *view_worker(void *arg)
+{
+    (void)arg;
+    const uint64_t g = 2 << 20;
+    for (long op = 0; op < ops_per_thread / 400 + 1; op++) {
+        uintptr_t blk = ump_vmm_alloc(pool, 3 * g, 9), alias;
+        CHECK(blk);
+        memset((void *)blk, 0x11, 3 * g);
+        int v = ump_vmm_alias_create(pool, blk + 1000, 2 * g, &alias);
+        CHECK(v >= 0);
+        CHECK(((unsigned char *)alias)[2 * g - 1] == 0x11);
+        ((unsigned char *)alias)[0] = 0x22;
+        CHECK(((unsigned char *)blk)[1000] == 0x22);
+        CHECK(ump_vmm_view_destroy(pool, v) == UMP_OK);
+        CHECK(ump_vmm_free(pool, blk) == UMP_OK);
+
+        uintptr_t va;
+        uint64_t size;
+        int r = ump_vmm_ring_create(pool, g);
+        CHECK(r >= 0 && ump_vmm_view_info(pool, r, &va, &size) == UMP_OK && size == 2 * g);
+        ((unsigned char *)va)[g + 7] = 0x33;
+        CHECK(((unsigned char *)va)[7] == 0x33);
+
+        int sh = ump_vmm_shared_create(pool, g - 1), fd = -1; /* one granule */
+        CHECK(sh >= 0 && ump_vmm_export(pool, sh, &fd) == UMP_OK && fd >= 0);
+        int im = ump_vmm_import(pool, fd, 2 * g, 0);
+        CHECK(im < 0 && ump_last_status() == UMP_ERR_HANDLE); /* not the size it has */
+        im = ump_vmm_import(pool, fd, g, 0);
+        close(fd);
+        CHECK(im >= 0 && ump_vmm_view_info(pool, im, &va, &size) == UMP_OK);
+        uintptr_t sva;
+        CHECK(ump_vmm_view_info(pool, sh, &sva, &size) == UMP_OK);
+        ((unsigned char *)sva)[g - 1] = 0x44;
+        CHECK(((unsigned char *)va)[g - 1] == 0x44);
+        CHECK(ump_vmm_view_destroy(pool, sh) == UMP_OK); /* the importer keeps the memory */
+        CHECK(((unsigned char *)va)[g - 1] == 0x44);
+        CHECK(ump_vmm_view_destroy(pool, im) == UMP_OK);
+        CHECK(ump_vmm_view_destroy(pool, r) == UMP_OK);
+        CHECK(ump_vmm_view_destroy(pool, r) != UMP_OK);
+    }
+    return NULL;
+}
+
 static void pool_stress(void)
 {
     pool = ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)16 << 30, (uint64_t)2 << 30);
     CHECK(pool >= 0);
-    pthread_t t[THREADS];
+    pthread_t t[THREADS], views;
     for (long i = 0; i < THREADS; i++)
         CHECK(pthread_create(&t[i], NULL, pool_worker, (void *)i) == 0);
+    CHECK(pthread_create(&views, NULL, view_worker, NULL) == 0);
     for (int i = 0; i < THREADS; i++)
         pthread_join(t[i], NULL);
+    pthread_join(views, NULL);
     ump_vmm_stats_t st;
     CHECK(ump_vmm_stats(pool, &st) == UMP_OK);
     CHECK(st.used_bytes == 0 && st.current_count == 0 && st.bad_frees == 0);
+    CHECK(st.views == 0 && st.view_bytes == 0 && st.shared_bytes == 0 && st.imported_bytes == 0);
     printf("pool: %llu blocks, peak used %llu, peak physical %llu bytes\n",
            (unsigned long long)st.total_count, (unsigned long long)st.peak_used_bytes,
            (unsigned long long)st.peak_physical_bytes);
@@ -216,11 +265,12 @@ static void pool_stress(void)
     /* A mapping that fails half-way is undone. */
     CHECK(ump_vmm_trim(pool, 0) == UMP_OK);
     CHECK(ump_vmm_stats(pool, &st) == UMP_OK && st.physical_bytes == 0);
+    uint64_t rollbacks = st.rollbacks; /* the view worker's refused imports */
     ump_fault_inject(1, 1); /* the handle is created, its mapping fails */
     CHECK(ump_vmm_alloc(pool, 8 << 20, 1) == 0 && ump_last_status() == UMP_ERR_INJECTED);
     ump_fault_inject(0, 0);
     CHECK(ump_vmm_stats(pool, &st) == UMP_OK);
-    CHECK(st.physical_bytes == 0 && st.mapped_bytes == 0 && st.rollbacks == 1);
+    CHECK(st.physical_bytes == 0 && st.mapped_bytes == 0 && st.rollbacks == rollbacks + 1);
 
     /* Buffers grow in place; migration keeps the address and the data. */
     int buf = ump_vmm_buffer_create(pool, 64 << 20);

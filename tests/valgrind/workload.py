@@ -26,6 +26,14 @@ ptrs = [p.allocate(rng.randrange(1, 3 << 20)) for _ in range(200)]
 for q in ptrs[::2]: p.deallocate(q)
 b = p.buffer(64 << 20, 5 << 20); b.resize(20 << 20); ctypes.memset(b.ptr, 1, 20 << 20); b.close()
 for q in ptrs[1::2]: p.deallocate(q)
+shared = p.allocate_shared(5 << 20); shared.array()[:] = 3
+with shared.export() as h, ump.import_handle(h, p) as imported:
+    assert imported.array()[-1] == 3
+ring = p.ring(2 << 20); ring.array()[(2 << 20) - 2:(2 << 20) + 2] = 9
+blk = p.allocate(3 << 20); alias = p.alias(blk, 3 << 20); ctypes.memset(alias.ptr, 2, 3 << 20)
+stripes = p.striped(6 << 20, [0, 1]); ctypes.memset(stripes.ptr, 4, 6 << 20)
+for v in (shared, ring, alias, stripes): v.close()
+p.deallocate(blk)
 p.trim(); p.close()
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

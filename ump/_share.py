@@ -1,0 +1,394 @@
+"""Sharing VMM memory between processes of one host.
+
+A handle is a file descriptor (a sealed memfd on the emulated pool; on a GPU
+the POSIX fd from ``cuMemExportToShareableHandle``) plus what an importer
+needs to map it. File descriptors travel only over Unix sockets (SCM_RIGHTS):
+through ``multiprocessing`` (pickling an :class:`ExportHandle` duplicates its
+fd with ``multiprocessing.reduction.DupFd``) or through :func:`listen` /
+:func:`connect`, whose socket only its owner may open and which refuse peers
+of another user. Nothing is ever written to a path others can read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import threading
+
+from ._errors import UmpError
+
+__all__ = ["ExportHandle", "import_handle", "listen", "connect", "Listener", "Connection"]
+
+
+def check_platform() -> None:
+    """Raise :class:`UmpError` where handles cannot be passed between processes."""
+    if not sys.platform.startswith("linux") or not hasattr(socket, "send_fds"):
+        raise UmpError("sharing memory between processes needs Linux (memfd, and file "
+                       "descriptors passed over Unix sockets)")
+
+
+class ExportHandle:
+    """Physical memory exported by :meth:`MappedMemory.export`, for
+    :func:`import_handle` in another process (or this one).
+
+    It owns one file descriptor: :meth:`close` it (or let it be collected)
+    once imported; the importer's mapping keeps the memory alive. It pickles
+    through ``multiprocessing`` (a ``Queue``, a ``Pipe``, a ``Process``'s
+    arguments): the file descriptor is duplicated into the receiver over a
+    Unix socket, never written anywhere.
+
+    Attributes
+    ----------
+    size : int
+        Bytes the exporter asked for.
+    nbytes : int
+        Bytes of physical memory behind the handle (whole granules).
+    granularity, device : int
+        The exporting pool's granularity and device.
+    emulated : bool
+        Exported by an emulated pool (a memfd, no GPU).
+    pid : int
+        The exporting process.
+    event : bytes or None
+        An inter-process CUDA event handle the importer's stream waits for.
+    """
+
+    def __init__(self, fd: int, *, size: int, nbytes: int, granularity: int, device: int,
+                 emulated: bool, pid: int | None = None, event: bytes | None = None):
+        self._fd = fd
+        self.size = size
+        self.nbytes = nbytes
+        self.granularity = granularity
+        self.device = device
+        self.emulated = emulated
+        self.pid = os.getpid() if pid is None else pid
+        self.event = event
+
+    def _meta(self) -> dict:
+        return {"size": self.size, "nbytes": self.nbytes, "granularity": self.granularity,
+                "device": self.device, "emulated": self.emulated, "pid": self.pid,
+                "event": self.event.hex() if self.event is not None else None}
+
+    @classmethod
+    def _from_meta(cls, fd: int, meta: dict) -> "ExportHandle":
+        try:
+            event = meta.get("event")
+            return cls(fd, size=int(meta["size"]), nbytes=int(meta["nbytes"]),
+                       granularity=int(meta["granularity"]), device=int(meta["device"]),
+                       emulated=bool(meta["emulated"]), pid=int(meta["pid"]),
+                       event=bytes.fromhex(event) if event is not None else None)
+        except (KeyError, TypeError, ValueError) as err:
+            os.close(fd)
+            raise UmpError(f"a malformed export handle: {err}") from err
+
+    @property
+    def fd(self) -> int:
+        """The file descriptor (owned by this handle)."""
+        if self._fd is None:
+            raise UmpError("this export handle is closed")
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def __repr__(self):
+        where = "emulated" if self.emulated else f"device {self.device}"
+        state = "closed" if self._fd is None else f"fd {self._fd}"
+        return f"<ump.ExportHandle {self.nbytes} bytes, {where}, from pid {self.pid}, {state}>"
+
+    def _importable_by(self, pool) -> int:
+        """The fd, after checking the handle fits ``pool``; a clear error if not."""
+        fd = self.fd
+        try:
+            os.fstat(fd)
+        except OSError as err:
+            raise UmpError(f"the export handle's file descriptor {fd} is closed") from err
+        if self.emulated != pool.emulated:
+            raise UmpError("a handle exported by " + ("an emulated" if self.emulated else "a GPU")
+                           + " pool cannot be imported into " + ("an emulated" if pool.emulated else "a GPU")
+                           + " pool")
+        if self.granularity != pool.granularity or self.nbytes % pool.granularity:
+            raise UmpError(f"the handle's granularity ({self.granularity} bytes, {self.nbytes} bytes "
+                           f"in all) does not match the pool's ({pool.granularity} bytes)")
+        return fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _rebuild_handle, (DupFd(self.fd), self._meta())
+
+
+def _rebuild_handle(dup, meta: dict) -> ExportHandle:
+    return ExportHandle._from_meta(dup.detach(), meta)
+
+
+_importers: dict = {}
+_importers_lock = threading.Lock()
+
+
+def import_handle(handle: ExportHandle, pool=None, *, stream: int = 0):
+    """Map memory another process exported; returns a :class:`MappedMemory`
+    whose :meth:`~MappedMemory.array` is a NumPy array (emulated) or a CuPy
+    array (GPU) over the same physical memory.
+
+    Parameters
+    ----------
+    handle : ExportHandle
+        From :meth:`MappedMemory.export`, received through multiprocessing or
+        a :class:`Connection`. It stays open: close it after importing.
+    pool : VMMPool, optional
+        The pool that maps it (its address range, device access list).
+        Default: one importing pool per device (or one emulated pool) for the
+        process, made at first use.
+    stream : int
+        GPU: the stream that waits for the exporter's event, if it sent one.
+
+    Raises
+    ------
+    UmpError
+        The handle is closed, was exported by a pool of another kind or
+        granularity, or its file descriptor is not the shareable memory it
+        describes (a foreign or stale handle).
+    """
+    from ._vmm import VMMPool
+
+    if not isinstance(handle, ExportHandle):
+        raise TypeError(f"expected an ump.ExportHandle, got {type(handle).__name__}")
+    if pool is None:
+        key = ("emulated", 0) if handle.emulated else ("device", handle.device)
+        with _importers_lock:
+            pool = _importers.get(key)
+            if pool is None or pool._closed:
+                # The main range serves no blocks: one granule reserved.
+                pool = _importers[key] = VMMPool(key[1], emulate=handle.emulated,
+                                                 reserve=max(handle.granularity, 1))
+    return pool.import_handle(handle, stream=stream)
+
+
+# --- stream order across processes (GPU) ----------------------------------------
+
+def _in_context(device: int, fn):
+    from cuda.bindings import driver
+
+    from ._probe import _call
+
+    dev = _call(driver.cuDeviceGet, device)
+    ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
+    _call(driver.cuCtxPushCurrent, ctx)
+    try:
+        return fn(driver, _call)
+    finally:
+        _call(driver.cuCtxPopCurrent)
+        _call(driver.cuDevicePrimaryCtxRelease, dev)
+
+
+def record_event(device: int, stream: int):
+    """Record an inter-process event on ``stream``: (event, its 64-byte handle)."""
+    def run(driver, call):
+        flags = (driver.CUevent_flags.CU_EVENT_INTERPROCESS | driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        ev = call(driver.cuEventCreate, flags)
+        call(driver.cuEventRecord, ev, stream)
+        return ev, bytes(call(driver.cuIpcGetEventHandle, ev).reserved)
+
+    return _in_context(device, run)
+
+
+def wait_event(device: int, data: bytes, stream: int) -> None:
+    """Make ``stream`` wait for another process's event."""
+    def run(driver, call):
+        h = driver.CUipcEventHandle()
+        h.reserved = data
+        ev = call(driver.cuIpcOpenEventHandle, h)
+        try:
+            call(driver.cuStreamWaitEvent, stream, ev, 0)
+        finally:
+            call(driver.cuEventDestroy, ev)
+
+    _in_context(device, run)
+
+
+def destroy_events(device: int, events) -> None:
+    def run(driver, call):
+        for ev in events:
+            call(driver.cuEventDestroy, ev)
+
+    _in_context(device, run)
+
+
+# --- Unix sockets that only their owner's processes may use --------------------
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _own_uid() -> int:
+    return os.getuid()
+
+
+def _check_peer(sock: socket.socket) -> None:
+    """Refuse a peer of another user (SO_PEERCRED: what the kernel says the
+    peer's uid is, which it cannot forge)."""
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    own = _own_uid()
+    if uid != own:
+        raise PermissionError(f"refused a connection from uid {uid} (pid {pid}): only processes of "
+                              f"uid {own} may share memory with this one")
+
+
+def _check_private_dir(path: str) -> None:
+    st = os.stat(path)
+    if st.st_uid != _own_uid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}: "
+                              "put the socket in a directory only you can use (mode 0700)")
+
+
+class Connection:
+    """One end of a connection made by :func:`connect` or
+    :meth:`Listener.accept`: :meth:`send` and :meth:`recv` export handles, one
+    message each (a SOCK_SEQPACKET socket keeps message boundaries)."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+
+    def send(self, handle: ExportHandle) -> None:
+        """Send a handle: its description and a duplicate of its file descriptor."""
+        if not isinstance(handle, ExportHandle):
+            raise TypeError(f"expected an ump.ExportHandle, got {type(handle).__name__}")
+        socket.send_fds(self._sock, [json.dumps(handle._meta()).encode()], [handle.fd])
+
+    def recv(self) -> ExportHandle:
+        """Receive a handle; EOFError when the peer closed the connection."""
+        msg, fds, flags, _ = socket.recv_fds(self._sock, 4096, 4, socket.MSG_CMSG_CLOEXEC)
+        if not msg and not fds:
+            raise EOFError("the peer closed the connection")
+        if len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            for fd in fds:
+                os.close(fd)
+            raise UmpError(f"expected one export handle, received {len(fds)} file descriptor(s)")
+        try:
+            meta = json.loads(msg)
+        except ValueError as err:
+            os.close(fds[0])
+            raise UmpError("a malformed export handle") from err
+        return ExportHandle._from_meta(fds[0], meta)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Listener:
+    """A Unix socket for handles (see :func:`listen`)."""
+
+    def __init__(self, path: str | None = None, backlog: int = 16):
+        check_platform()
+        self._dir = None
+        if path is None:
+            self._dir = tempfile.mkdtemp(prefix="ump-share-")  # mode 0700
+            path = os.path.join(self._dir, "socket")
+        else:
+            path = os.path.abspath(path)
+            _check_private_dir(os.path.dirname(path))
+        self.address = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.bind(path)
+            os.chmod(path, 0o600)
+            self._sock.listen(backlog)
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def accept(self) -> Connection:
+        """The next connection of a process of this user.
+
+        Raises
+        ------
+        PermissionError
+            The peer runs as another user; its connection is closed.
+        """
+        sock, _ = self._sock.accept()
+        try:
+            _check_peer(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return Connection(sock)
+
+    def close(self) -> None:
+        if self._sock.fileno() < 0:
+            return
+        self._sock.close()
+        try:
+            os.unlink(self.address)
+        except FileNotFoundError:
+            pass
+        if self._dir is not None:
+            os.rmdir(self._dir)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def listen(path: str | None = None) -> Listener:
+    """Listen for processes of this user that want handles.
+
+    The socket is created with mode 0600 in a private directory: a new one
+    (``Listener.address`` says where) or, with ``path``, the directory of
+    ``path``, which must be owned by this user and closed to others
+    (mode 0700). :meth:`Listener.accept` checks each peer's uid
+    (SO_PEERCRED) and refuses other users.
+    """
+    return Listener(path)
+
+
+def connect(path: str) -> Connection:
+    """Connect to a :func:`listen` socket; the listener must run as this user.
+
+    Raises
+    ------
+    PermissionError
+        The listening process runs as another user.
+    """
+    check_platform()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(path)
+        _check_peer(sock)
+    except BaseException:
+        sock.close()
+        raise
+    return Connection(sock)
