@@ -209,6 +209,7 @@ def test_peer_access_without_enable_peer_access(two_gpus, pool):
     g = cupy.arange(4 << 20, dtype=cupy.float32)
     pool.grant(1)
     assert pool.devices == (0, 1)
+    cupy.cuda.runtime.deviceSynchronize()  # GPU 1 does not wait for GPU 0's stream
     with cupy.cuda.Device(1):
         v = _on_device(cupy, g, 1)
         total = float((v * 2).sum())  # a kernel on GPU 1 reads GPU 0's pool
