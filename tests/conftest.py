@@ -26,6 +26,7 @@ import numpy  # noqa: E402
 import pytest  # noqa: E402
 
 import ump  # noqa: E402
+from _gpu import require_backend  # noqa: E402
 from ump import _core  # noqa: E402
 
 
@@ -70,13 +71,10 @@ def gpu_backends(caps):
 
 @pytest.fixture(params=["system", "managed", "pinned"])
 def gpu_backend(request, gpu_caps):
-    """Each unified backend the GPU can run, enabled for the test."""
-    from ump import backends
-
+    """Each unified backend the GPU can run, enabled for the test (a module
+    may parametrize it indirectly with other backends, "device" included)."""
     name = request.param
-    why = backends.get(name).unavailable(gpu_caps, gpu_caps.devices[0])
-    if why is not None:
-        pytest.skip(f"backend {name} cannot run here: {why}")
+    require_backend(gpu_caps, name)
     ump.enable(name, cap=4 << 30)
     import cupy
 

@@ -18,7 +18,9 @@ import pytest
 
 import ump
 
-pytestmark = pytest.mark.gpu
+#: Every backend with a GPU side, the device backend included.
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.parametrize("gpu_backend", ["managed", "pinned", "device", "system"], indirect=True)]
 
 # A kernel that spins ~50 ms before it writes: a read that does not wait
 # for it sees the old values.
@@ -40,7 +42,7 @@ def _spin_kernel(cupy):
 
 
 def _host_readers(cupy):
-    """name -> (read(g) -> NumPy values, shares(backend) -> whether the
+    """name -> (read(g) -> NumPy values, shares(gpu_backend) -> whether the
     result is at g's address). What docs/interop.md lists."""
 
     def from_interface(g):
@@ -88,21 +90,6 @@ def record():
     return write
 
 
-@pytest.fixture(params=["managed", "pinned", "device", "system"])
-def backend(request, gpu_caps):
-    from ump import backends
-
-    name = request.param
-    why = backends.get(name).unavailable(gpu_caps, gpu_caps.devices[0])
-    if why is not None:
-        pytest.skip(f"backend {name} cannot run here: {why}")
-    ump.enable(name, cap=4 << 30)
-    import cupy
-
-    yield name, cupy
-    cupy.cuda.runtime.deviceSynchronize()
-
-
 def _race(cupy, g, stream, value):
     """Queue a ~50 ms kernel on `stream` that writes `value` into g."""
     with stream:
@@ -119,8 +106,8 @@ REFUSALS = {  # (path, backend) -> the error, for memory the host cannot read in
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_host_reader_waits_for_the_kernel(backend, path, record):
-    name, cupy = backend
+def test_host_reader_waits_for_the_kernel(gpu_backend, path, record):
+    name, cupy = gpu_backend
     if path == "memoryview" and sys.version_info < (3, 12):
         pytest.skip("memoryview of a CuPy array needs Python >= 3.12 (__buffer__)")
     if (path, name) in REFUSALS:
@@ -142,11 +129,11 @@ def test_host_reader_waits_for_the_kernel(backend, path, record):
     record(path=path, backend=name, result="shares" if name in shares else "copies", waits=ROUNDS)
 
 
-def test_cuda_array_interface_waits_for_the_kernel(backend, record):
+def test_cuda_array_interface_waits_for_the_kernel(gpu_backend, record):
     """A GPU library reading through __cuda_array_interface__ on its own
     stream sees the kernel's values (torch.as_tensor)."""
     torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-    name, cupy = backend
+    name, cupy = gpu_backend
     stream = cupy.cuda.Stream(non_blocking=True)
     g = cupy.zeros(N, dtype=cupy.float64)
     for i in range(1, ROUNDS + 1):
@@ -157,11 +144,11 @@ def test_cuda_array_interface_waits_for_the_kernel(backend, record):
     record(path="torch.as_tensor (__cuda_array_interface__)", backend=name, result="shares", waits=ROUNDS)
 
 
-def test_dlpack_to_torch_waits_and_is_accepted(backend, record):
+def test_dlpack_to_torch_waits_and_is_accepted(gpu_backend, record):
     """Managed memory reaches PyTorch as kDLCUDA (it refuses kDLCUDAManaged),
     at the same address, after the kernel."""
     torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-    name, cupy = backend
+    name, cupy = gpu_backend
     stream = cupy.cuda.Stream(non_blocking=True)
     g = cupy.zeros(N, dtype=cupy.float64)
     assert g.__dlpack_device__() == (2, 0)
@@ -173,9 +160,9 @@ def test_dlpack_to_torch_waits_and_is_accepted(backend, record):
     record(path="torch.from_dlpack", backend=name, result="shares", waits=ROUNDS)
 
 
-def test_from_dlpack_of_a_fresh_kernel_result(backend):
+def test_from_dlpack_of_a_fresh_kernel_result(gpu_backend):
     """The defect as users met it: np.from_dlpack right after CuPy kernels."""
-    name, cupy = backend
+    name, cupy = gpu_backend
     read = np.from_dlpack if name != "device" else (lambda g: np.from_dlpack(g, copy=True))
     assert int(read(cupy.arange(1000)).sum()) == 499500
     for _ in range(ROUNDS):
@@ -183,9 +170,9 @@ def test_from_dlpack_of_a_fresh_kernel_result(backend):
         assert int(read(g)[-1]) == ((1 << 22) - 1) * 2
 
 
-def test_torch_both_ways(backend):
+def test_torch_both_ways(gpu_backend):
     torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-    name, cupy = backend
+    name, cupy = gpu_backend
     g = cupy.arange(1 << 16, dtype=cupy.float32)
     t = torch.from_dlpack(g)
     assert t.data_ptr() == g.data.ptr
@@ -210,14 +197,14 @@ def test_torch_both_ways(backend):
 SPIN_F32 = SPIN.replace("double *x", "float *x").replace("double value", "float value")
 
 
-def test_jax_both_ways(backend, record):
+def test_jax_both_ways(gpu_backend, record):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     jax = pytest.importorskip("jax", reason="JAX is not installed")
     import jax.numpy as jnp
 
     if not any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("JAX has no GPU backend here")
-    name, cupy = backend
+    name, cupy = gpu_backend
     stream = cupy.cuda.Stream(non_blocking=True)
     g = cupy.zeros(N, dtype=cupy.float32)
     spin = cupy.RawKernel(SPIN_F32, "spin_then_write")
@@ -235,9 +222,9 @@ def test_jax_both_ways(backend, record):
            waits=5)
 
 
-def test_numba_both_ways(backend, record):
+def test_numba_both_ways(gpu_backend, record):
     cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
-    name, cupy = backend
+    name, cupy = gpu_backend
     stream = cupy.cuda.Stream(non_blocking=True)
     g = cupy.zeros(N, dtype=cupy.float64)
     for i in range(1, 6):
@@ -252,8 +239,8 @@ def test_numba_both_ways(backend, record):
     record(path="numba.cuda.as_cuda_array", backend=name, result="shares", waits=5)
 
 
-def test_dlpack_arguments(backend):
-    name, cupy = backend
+def test_dlpack_arguments(gpu_backend):
+    name, cupy = gpu_backend
     g = cupy.arange(10, dtype=cupy.float64)
     copied = np.from_dlpack(g, copy=True)
     assert copied.ctypes.data != g.data.ptr and copied[3] == 3.0
@@ -267,11 +254,11 @@ def test_dlpack_arguments(backend):
         assert on_cpu.ctypes.data == g.data.ptr and on_cpu[9] == 9.0
 
 
-def test_host_views_keep_the_exact_dtype(backend):
+def test_host_views_keep_the_exact_dtype(gpu_backend):
     """NumPy rebuilds a dtype from the array interface's typestr, which names
     a size, not a C type; the host view keeps CuPy's dtype (longlong stays
     longlong: it prints differently from int64)."""
-    name, cupy = backend
+    name, cupy = gpu_backend
     for dt in (np.longlong, np.ulonglong, np.intc, np.int64, np.float16, np.complex64):
         h = cupy.asnumpy(cupy.arange(5, dtype=dt))
         assert h.dtype.char == np.dtype(dt).char

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import ump
+from _gpu import require_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -29,14 +30,6 @@ def _python(code, *args, env=None, timeout=600):
                          text=True, env=environ, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
-
-
-def _usable(gpu_caps, name):
-    from ump import backends
-
-    why = backends.get(name).unavailable(gpu_caps, gpu_caps.devices[0])
-    if why is not None:
-        pytest.skip(f"backend {name} cannot run here: {why}")
 
 
 ROUND_TRIP = """
@@ -134,7 +127,7 @@ def test_out_of_memory_recovers_by_collecting(gpu_caps, name):
     """Arrays that only a reference cycle keeps alive are collected before
     CuPy's allocation fails, as CuPy's own pool does; the final error is the
     one stock CuPy users catch."""
-    _usable(gpu_caps, name)
+    require_backend(gpu_caps, name)
     ump.enable(name, cap=8 * GiB)
     import cupy
 
@@ -174,7 +167,7 @@ def test_casts_follow_numpy_as_in_stock_cupy(gpu_backend, dtype):
 
 @pytest.mark.parametrize("name", ["managed", "pinned", "device"])
 def test_arrays_belong_to_the_current_device(gpu_caps, name):
-    _usable(gpu_caps, name)
+    require_backend(gpu_caps, name)
     ump.enable(name, cap=4 * GiB)
     import cupy
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import ump
+from _gpu import require_backend
 from _threads import run_threads
 
 pytestmark = pytest.mark.gpu
@@ -202,11 +203,7 @@ def test_threads_allocate_at_once(gpu_backend):
 
 @pytest.mark.parametrize("name", ["managed", "pinned"])
 def test_cap_exhaustion_and_fallback(gpu_caps, name):
-    from ump import backends
-
-    why = backends.get(name).unavailable(gpu_caps, gpu_caps.devices[0])
-    if why is not None:
-        pytest.skip(f"backend {name} cannot run here: {why}")
+    require_backend(gpu_caps, name)
     ump.enable(name, cap=96 << 20)
     import cupy
 

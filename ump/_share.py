@@ -21,6 +21,7 @@ import tempfile
 import threading
 
 from ._errors import UmpError
+from ._resource import Resource
 
 __all__ = ["ExportHandle", "import_handle", "listen", "connect", "Listener", "Connection"]
 
@@ -32,7 +33,7 @@ def check_platform() -> None:
                        "descriptors passed over Unix sockets)")
 
 
-class ExportHandle:
+class ExportHandle(Resource):
     """Physical memory exported by :meth:`MappedMemory.export`, for
     :func:`import_handle` in another process (or this one).
 
@@ -122,18 +123,6 @@ class ExportHandle:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
@@ -264,7 +253,7 @@ def _check_private_dir(path: str) -> None:
                               "put the socket in a directory only you can use (mode 0700)")
 
 
-class Connection:
+class Connection(Resource):
     """One end of a connection made by :func:`connect` or
     :meth:`Listener.accept`: :meth:`send` and :meth:`recv` export handles, one
     message each (a SOCK_SEQPACKET socket keeps message boundaries)."""
@@ -300,14 +289,8 @@ class Connection:
     def close(self) -> None:
         self._sock.close()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
-
-
-class Listener:
+class Listener(Resource):
     """A Unix socket for handles (see :func:`listen`)."""
 
     def __init__(self, path: str | None = None, backlog: int = 16):
@@ -355,12 +338,6 @@ class Listener:
             pass
         if self._dir is not None:
             os.rmdir(self._dir)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def listen(path: str | None = None) -> Listener:

@@ -21,6 +21,7 @@ import weakref
 from . import _core
 from ._cupy_compat import out_of_memory_error
 from ._errors import OutOfMemoryError, UmpError
+from ._resource import Resource
 from ._probe import _call, check_device_index, device_info, probe
 
 __all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "MappedMemory", "pool_of"]
@@ -84,7 +85,7 @@ class VMMStatistics:
 def _cupy():
     cupy = sys.modules.get("cupy")
     if cupy is None:
-        from ._cupy_hook import import_cupy
+        from ._cupy_compat import import_cupy
 
         cupy = import_cupy(sam=False)
     return cupy
@@ -525,7 +526,7 @@ class VMMPool:
             _pools.pop(self._id, None)
 
 
-class GrowableBuffer:
+class GrowableBuffer(Resource):
     """Device memory that grows and shrinks in place: its address never
     changes, because it owns an address range of ``max_bytes`` and maps
     physical chunks behind its end as it grows."""
@@ -591,12 +592,6 @@ class GrowableBuffer:
             _core.check(_core.vmm_buffer_destroy(self.pool.id, self._buf), "releasing a buffer")
             self._buf = None
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
 
 def _positive(n, what: str) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
@@ -614,7 +609,7 @@ class _Lease:
                                     "data": (mem.ptr, False)}
 
 
-class MappedMemory:
+class MappedMemory(Resource):
     """An address range of its own over a pool's physical memory.
 
     Made by :meth:`VMMPool.allocate_shared` (exportable to other processes),
@@ -747,18 +742,6 @@ class MappedMemory:
 
             destroy_events(self.pool.device, self._events)
             self._events = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def pool_of(ptr: int) -> VMMPool | None:
