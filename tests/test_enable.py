@@ -269,3 +269,12 @@ def test_default_budgets_follow_where_memory_lives(monkeypatch):
     assert backends.default_headroom(141 << 30) == (141 << 30) // 64
     assert backends.default_headroom(8 << 30) == 512 << 20
     assert backends.PINNED.spills_to_device and not backends.MANAGED.spills_to_device
+
+
+def test_no_room_for_a_budget_is_a_clear_error(cpu_only, monkeypatch):
+    from ump import backends
+
+    monkeypatch.setattr(backends, "host_available_bytes", lambda: 1 << 20)
+    with pytest.raises(ump.UmpError, match="no room for the host backend's budget: the host has 1048576"):
+        ump.enable()
+    assert not ump.is_enabled()

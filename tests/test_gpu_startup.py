@@ -51,7 +51,10 @@ def test_enable_after_cupy_was_imported(gpu_caps, cupy_env):
             "import cupy\n"  # first, as real programs and CuPy's test runner do
             "os.environ['CUPY_ENABLE_UMP'] = '1'\n"
             "import ump\n"
-            "print(ump.enable())\n" + textwrap.dedent(ROUND_TRIP))
+            "print(ump.enable())\n"
+            "from ump._cupy_compat import builtin_ump_active\n"
+            "assert not builtin_ump_active(cupy)  # CuPy's own path is off, as if imported after\n"
+            + textwrap.dedent(ROUND_TRIP))
     env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
     if cupy_env:
         env["CUPY_ENABLE_UMP"] = cupy_env

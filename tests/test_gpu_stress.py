@@ -70,7 +70,7 @@ def _stress(gpu_backend):
     gc.collect()
     ump.synchronize()
     after = ump.statistics()["numpy"]
-    pending = len(ump._enable.current().cupy.release._pending)
+    pending = len(ump._enable.current().cupy.release)
     return errors, sum(done), pending, before, after
 
 

@@ -23,7 +23,7 @@ def cupy(gpu_caps):
         pytest.skip(f"{gpu_caps.devices[0].name} does not support VMM")
     from ump._cupy_compat import import_cupy
 
-    return import_cupy(sam=False)  # CuPy's own UMP path off, as ump.enable() imports it
+    return import_cupy()  # CuPy's own UMP path off, as ump.enable() imports it
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ def cupy(gpu_caps):
         pytest.skip(f"{gpu_caps.devices[0].name} does not support VMM")
     from ump._cupy_compat import import_cupy
 
-    return import_cupy(sam=False)
+    return import_cupy()
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def pool(cupy):
 def _gpu_importer(handle, conn):
     from ump._cupy_compat import import_cupy
 
-    cp = import_cupy(sam=False)
+    cp = import_cupy()
     mem = ump.import_handle(handle, stream=cp.cuda.get_current_stream().ptr)
     handle.close()
     a = mem.array((handle.size // 4,), "float32")
@@ -82,7 +82,7 @@ def test_two_processes_share_device_memory(cupy, pool):
 def _gpu_exporter(address):
     from ump._cupy_compat import import_cupy
 
-    cp = import_cupy(sam=False)
+    cp = import_cupy()
     p = ump.VMMPool(0)
     mem = p.allocate_shared(4 * MiB)
     mem.array((MiB,), "int32")[:] = cp.arange(MiB, dtype=cp.int32)

@@ -48,6 +48,18 @@ def test_run_module_with_options_from_the_environment(cpu_only, tmp_path):
     assert run.stdout.strip() == "host host __main__ ['x']"
 
 
+def test_run_passes_options_after_the_program_to_it(cpu_only, tmp_path):
+    """Options after -m MODULE or the script are the program's (-m pytest -x)."""
+    (tmp_path / "progmod.py").write_text(textwrap.dedent(PROG))
+    (tmp_path / "prog.py").write_text(textwrap.dedent(PROG))
+    run = _run(["-m", "ump", "run", "--cap=32M", "-m", "progmod", "-x", "--cap", "9"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "host host __main__ ['-x', '--cap', '9']"
+    run = _run(["-m", "ump", "run", "--cap", "32M", "prog.py", "-m", "other"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "host host __main__ ['-m', 'other']"
+
+
 def test_run_script_errors_propagate(cpu_only, tmp_path):
     (tmp_path / "bad.py").write_text("raise SystemExit(7)\n")
     assert _run(["-m", "ump", "run", "bad.py"], tmp_path).returncode == 7
@@ -58,12 +70,14 @@ def test_run_script_errors_propagate(cpu_only, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     ([], "name a script or -m MODULE"),
+    (["missing.py"], "missing.py: no such file"),
     (["--cap", "lots", "x.py"], "'lots' is not a size"),
     (["--cap", "1", "x.py"], "smaller cap would send every array to plain memory"),
     (["--backend", "nosuch", "x.py"], "unknown backend 'nosuch'"),
     (["--device", "one", "x.py"], "device must be a device index"),
 ])
 def test_run_bad_arguments_say_what_is_wrong(cpu_only, tmp_path, args, message):
+    (tmp_path / "x.py").write_text("raise SystemExit('the script must not run')\n")
     run = _run(["-m", "ump", "run", *args], tmp_path)
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
 
@@ -76,10 +90,35 @@ def test_pytest_plugin_enables_ump_in_every_worker(cpu_only, tmp_path):
         def test_in_ump_memory(i):
             assert ump.backend() == "host" and ump.kind_of(np.ones(100 + i)) == "host"
     """))
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed")
     for extra in ([], ["-n", "2"]):
         run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--ump", "--ump-cap=64M", *extra,
                     str(tmp_path)], tmp_path)
         assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout + run.stderr
+
+
+def test_pytest_plugin_takes_the_environment_and_splits_the_budget(cpu_only, tmp_path):
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed")
+    (tmp_path / "test_inner.py").write_text(textwrap.dedent("""
+        import ump
+        from ump import backends
+
+        def test_budget():
+            assert ump.backend() == "host"
+            # two workers: each 0.9/2 of the host's available memory, not 3/4 of it
+            assert ump.statistics()["numpy"].cap_bytes < 0.5 * backends.host_available_bytes()
+    """))
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--ump", "-n", "2", str(tmp_path)], tmp_path,
+               env={"UMP_BACKEND": "host"})
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+
+
+def test_pytest_plugin_bad_options_are_usage_errors(cpu_only, tmp_path):
+    (tmp_path / "test_inner.py").write_text("def test_nothing():\n    pass\n")
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--ump=host", "--ump-cap=lots", str(tmp_path)],
+               tmp_path)
+    assert run.returncode == 4 and "--ump: 'lots' is not a size" in run.stderr
+    assert "INTERNALERROR" not in run.stdout + run.stderr
 
 
 def test_pytest_plugin_is_off_without_the_flag(cpu_only, tmp_path):
@@ -90,10 +129,17 @@ def test_pytest_plugin_is_off_without_the_flag(cpu_only, tmp_path):
 
 @pytest.mark.parametrize("text, value", [
     ("4096", 4096), ("4G", 4 << 30), ("512MiB", 512 << 20), ("2k", 2048), ("1tb", 1 << 40), ("0.5", 0.5),
+    ("1", 1), ("1.0", 1.0), ("8e9", 8_000_000_000),
 ])
 def test_parse_size(text, value):
     got = _launch.parse_size(text)
     assert got == value and type(got) is type(value)
+
+
+@pytest.mark.parametrize("text", ["half", "1.5", "-2", "0.0", "4X"])
+def test_parse_size_refuses_what_is_neither(text):
+    with pytest.raises(ValueError, match="is not a size"):
+        _launch.parse_size(text)
 
 
 def test_settings_flags_win_over_the_environment():

@@ -71,21 +71,41 @@ def info(out=sys.stdout) -> int:
     return 0
 
 
-def _run(parser, args) -> int:
+_RUN_OPTIONS = ("backend", "cap", "headroom", "placement", "sync", "device")
+
+
+def _split_run(argv):
+    """(launcher options, module, script, program arguments): the launcher's
+    options end at ``-m MODULE`` or at the script, as Python's own do, so
+    everything after belongs to the program (``-m pytest -x``)."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return argv[:i], (argv[i + 1] if i + 1 < len(argv) else ""), None, argv[i + 2:]
+        if arg.startswith("-m") and not arg.startswith("--"):
+            return argv[:i], arg[2:], None, argv[i + 1:]
+        if not arg.startswith("-"):
+            return argv[:i], None, arg, argv[i + 1:]
+        i += 2 if arg.lstrip("-") in _RUN_OPTIONS else 1
+    return argv, None, None, []
+
+
+def _run(parser, argv) -> int:
     from . import _launch
 
-    if args.module is None and not args.args:
+    options, module, script, program = _split_run(argv)
+    args = parser.parse_args(["run", *options])
+    if not (module or script):
         parser.error("run: name a script or -m MODULE")
+    if script is not None and not os.path.isfile(script):
+        parser.error(f"run: {script}: no such file")
     try:
-        backend, options = _launch.settings({k: getattr(args, k) for k in
-                                             ("backend", "cap", "headroom", "placement", "sync", "device")})
-        _launch.start(backend, options)
+        backend, settings = _launch.settings({k: getattr(args, k) for k in _RUN_OPTIONS})
+        _launch.start(backend, settings)
     except (ValueError, TypeError, UmpError) as err:
         parser.error(f"run: {err}")
-    if args.module is not None:
-        _launch.run(module=args.module, args=args.args)
-    else:
-        _launch.run(script=args.args[0], args=args.args[1:])
+    _launch.run(module=module, script=script, args=program)
     return 0
 
 
@@ -127,16 +147,18 @@ def main(argv=None) -> int:
                     "Options not given come from UMP_BACKEND, UMP_CAP, UMP_HEADROOM, UMP_PLACEMENT, "
                     "UMP_SYNC, UMP_DEVICE; CUPY_ENABLE_UMP is set to 1 if unset.")
     run.add_argument("--backend", help="auto (default), system, managed, pinned, device or host")
-    run.add_argument("--cap", help="budget: bytes (4G, 512MiB) or a fraction of free device memory")
+    run.add_argument("--cap", help="budget: bytes (4G, 512MiB; a whole number is bytes) or a fraction "
+                                   "in (0, 1] of free device memory (0.5)")
     run.add_argument("--headroom", help="device memory left to others (bytes, 1G)")
     run.add_argument("--placement", choices=("auto", "host", "migrate"))
     run.add_argument("--sync", choices=("device", "stream"))
     run.add_argument("--device", help="CUDA device index")
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="the script and its arguments")
+    run.add_argument("script", nargs="?", help="the script, followed by its arguments")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        return _run(parser, argv[1:])
     args = parser.parse_args(argv)
-    if args.command == "run":
-        return _run(parser, args)
     if args.command == "info":
         return info()
     if args.command == "bench":

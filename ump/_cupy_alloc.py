@@ -22,55 +22,85 @@ CUDA_ERROR_MEMORY_ALLOCATION = 2
 
 
 class ReleaseQueue:
-    """NumPy arrays that CuPy views let go of, each kept until an event
-    recorded on the stream of its last use has passed: a kernel queued on the
-    memory may still run, and NumPy must not hand the block out again
-    meanwhile."""
+    """NumPy arrays that CuPy views let go of, each kept until the device it
+    was used on has been waited for as a whole.
+
+    A kernel on the memory may still be queued, and on any stream of the
+    device (a non-blocking stream, a per-thread default stream): an event
+    recorded on the stream of the thread that drops the view would not order
+    it. So an array is released only by a device-wide wait begun after it was
+    deferred: the one every host export does anyway (:meth:`synchronized`),
+    or the one :meth:`drain` does when too much is pending. One queue serves
+    the process, so arrays dropped after ``disable()`` are released too.
+    """
 
     MAX_PENDING = 4096
+    MAX_PENDING_BYTES = 1 << 30
+
+    _shared: dict = {}
+
+    @classmethod
+    def shared(cls, cupy) -> "ReleaseQueue":
+        queue = cls._shared.get(id(cupy))
+        if queue is None:
+            queue = cls._shared[id(cupy)] = cls(cupy)
+        return queue
 
     def __init__(self, cupy):
         self.cupy = cupy
-        self._pending = collections.deque()
+        self._pending: dict[int, collections.deque] = {}  # device -> (sequence, array)
+        self._count = 0
+        self._bytes = 0
         self._lock = threading.Lock()
 
-    def defer(self, array) -> None:
-        event = self.cupy.cuda.Event(block=False, disable_timing=True)
-        event.record()
-        self._pending.append((event, array))
-        if len(self._pending) > self.MAX_PENDING:
-            self.drain(block=True)
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._pending.values())
 
-    def drain(self, block: bool = False) -> None:
-        """Let go of the arrays whose last kernel has finished (all of them,
-        waiting, if ``block``)."""
-        if not self._lock.acquire(blocking=block):
-            return  # another thread is draining
-        try:
-            pending = self._pending
-            while pending:
-                event, _ = pending[0]
-                if not block and not event.done:
-                    break
-                event.synchronize()
-                pending.popleft()
-        finally:
-            self._lock.release()
+    def defer(self, array, device: int) -> None:
+        with self._lock:
+            self._count += 1
+            self._bytes += array.nbytes
+            self._pending.setdefault(device, collections.deque()).append((self._count, array))
+            full = len(self) > self.MAX_PENDING or self._bytes > self.MAX_PENDING_BYTES
+        if full:
+            self.drain()
+
+    def mark(self) -> int:
+        """Call before a device-wide wait; pass the result to :meth:`synchronized`."""
+        return self._count
+
+    def synchronized(self, device: int, mark: int) -> None:
+        """A wait for all of ``device``'s work begun at ``mark`` has returned:
+        release what was deferred on it before."""
+        with self._lock:
+            queue = self._pending.get(device)
+            while queue and queue[0][0] <= mark:
+                self._bytes -= queue.popleft()[1].nbytes
+
+    def drain(self) -> None:
+        """Wait for every device with pending arrays and release them all."""
+        cuda = self.cupy.cuda
+        for device in [d for d, q in self._pending.items() if q]:
+            mark = self.mark()
+            with cuda.Device(device):
+                cuda.runtime.deviceSynchronize()
+            self.synchronized(device, mark)
 
 
 class Lease:
     """Owner of a CuPy view of NumPy memory: hands the NumPy array to the
     release queue when CuPy drops the view."""
 
-    __slots__ = ("array", "queue")
+    __slots__ = ("array", "queue", "device")
 
-    def __init__(self, array, queue: ReleaseQueue):
+    def __init__(self, array, queue: ReleaseQueue, device: int):
         self.array = array
         self.queue = queue
+        self.device = device
 
     def __del__(self):
         try:
-            self.queue.defer(self.array)
+            self.queue.defer(self.array, self.device)
         except Exception:  # interpreter shutdown: nothing runs any more
             pass
 
@@ -147,7 +177,7 @@ class UnifiedUpstream:
         for collect in (False, True):
             if collect:
                 gc.collect()
-            self.release.drain(block=True)
+            self.release.drain()
             self.pool.free_all_blocks()
             got = self._try(size)
             if got is not None:

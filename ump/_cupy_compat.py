@@ -79,10 +79,11 @@ def builtin_ump_active(cupy) -> bool:
     return mem.device_id >= 0
 
 
-def import_cupy(sam: bool):
+def import_cupy():
     """Import CuPy for ump, with CuPy's built-in UMP path off.
 
-    On a GPU without HMM/ATS that path asserts in ``cupy.array``. If CuPy is
+    On a GPU without HMM/ATS that path asserts in ``cupy.array``; on SAM
+    machines it has the defects docs/architecture.md lists. If CuPy is
     not imported yet it is imported with ``CUPY_ENABLE_UMP`` hidden; if it
     was imported with the variable set, its two flags are turned off, so
     CuPy behaves as if it had been imported without it.
@@ -103,7 +104,9 @@ def import_cupy(sam: bool):
         check_cupy(cupy)
         return cupy
     check_cupy(cupy)
-    if not sam and builtin_ump_active(cupy):
+    if builtin_ump_active(cupy):
+        # Off on SAM machines too: ump's own paths replace CuPy's there as
+        # well, as when ump imports CuPy itself.
         for module, symbol in _UMP_FLAGS:
             _clear_flag(sys.modules[module], symbol)
         if builtin_ump_active(cupy):  # pragma: no cover - a CuPy the checks missed

@@ -104,7 +104,7 @@ class CupyHook:
         self.pool_for = pool_for  # backend "device": the VMM pool of another device
         self.backend = backend
         self.options = options
-        self.release = ReleaseQueue(cupy)
+        self.release = ReleaseQueue.shared(cupy)
         self.placement = Placement(cupy, options, headroom)
         self.out_of_memory = out_of_memory_error(cupy)
         # backend "device": a VMM pool, and NumPy <-> CuPy are copies
@@ -118,23 +118,25 @@ class CupyHook:
         self._original = {}
         self._saved_allocator = None
 
-    def drain(self, block=False):
-        self.release.drain(block)
-
     # --- waiting for the GPU -------------------------------------------------
     def synchronize(self, stream=None, device=None):
         """Wait for what a reader must not overtake: the device's work (or
-        ``stream``'s with ``sync="stream"``); then release NumPy memory whose
-        kernels are done."""
+        ``stream``'s with ``sync="stream"``); after a device-wide wait,
+        release NumPy memory that CuPy views used on that device."""
         cuda = self.cupy.cuda
         if stream is not None and self.options.sync == "stream":
             stream.synchronize()
-        elif device is None or device == cuda.runtime.getDevice():
+            return
+        current = cuda.runtime.getDevice()
+        if device is None:
+            device = current
+        mark = self.release.mark()
+        if device == current:
             cuda.runtime.deviceSynchronize()
         else:
             with cuda.Device(device):
                 cuda.runtime.deviceSynchronize()
-        self.release.drain()
+        self.release.synchronized(device, mark)
 
     # --- NumPy -> CuPy ------------------------------------------------------
     def wrap_host(self, a):
@@ -151,10 +153,10 @@ class CupyHook:
         if found is None:
             return None
         kind, base, size, lo, hi = found
-        self.release.drain()
         self.placement.on_handoff(kind, base, size)
         cuda = self.cupy.cuda
-        mem = cuda.memory.UnownedMemory(lo, hi - lo, Lease(a, self.release), cuda.runtime.getDevice())
+        device = cuda.runtime.getDevice()
+        mem = cuda.memory.UnownedMemory(lo, hi - lo, Lease(a, self.release, device), device)
         memptr = cuda.memory.MemoryPointer(mem, ptr - lo)
         return self.cupy.ndarray(a.shape, dtype, memptr, a.strides)
 
@@ -263,6 +265,9 @@ class CupyHook:
                                  "(copy=False was asked for)")
             out = self.get(g)  # a copy, after the wait
         if dtype is not None and numpy.dtype(dtype) != out.dtype:
+            if copy is False:
+                raise ValueError(f"a {out.dtype} CuPy array cannot become {numpy.dtype(dtype)} without a copy "
+                                 "(copy=False was asked for)")
             return out.astype(dtype)
         return out.copy() if copy is True and shared else out
 
@@ -307,6 +312,18 @@ class CupyHook:
 
     # --- install / uninstall -----------------------------------------------
     def install(self):
+        """Patch CuPy and set its allocator; on any failure put back what
+        was changed."""
+        try:
+            self._install()
+        except BaseException:
+            if self._patches is not None:
+                self._patches.restore()
+            if self._saved_allocator is not None:
+                self.cupy.cuda.set_allocator(self._saved_allocator)
+            raise
+
+    def _install(self):
         cupy, hook = self.cupy, self
         nd = cupy.ndarray
         original = self._original
@@ -347,7 +364,7 @@ class CupyHook:
             fn.__doc__ = like.__doc__
 
         self._saved_allocator = cupy.cuda.get_allocator()
-        patches = Patches()
+        patches = self._patches = Patches()  # restorable from the first change on
         patches.set(cupy._core, "array", self.array)
         for name, value in (("get", get), ("__array_interface__", property(array_interface)),
                             ("__array__", array_), ("__cuda_array_interface__", property(cuda_array_interface)),
@@ -363,7 +380,6 @@ class CupyHook:
                 return memoryview(view)
 
             patches.set(nd, "__buffer__", buffer)
-        self._patches = patches
         cupy.cuda.set_allocator(self._malloc_on_current_device if self.copies else self.pool.malloc)
 
     def _malloc_on_current_device(self, size):

@@ -26,7 +26,8 @@ class Options:
     Parameters
     ----------
     cap : int or float, optional
-        Most bytes the backend may hold, NumPy's and CuPy's side together: an
+        Most bytes the backend may hold, NumPy's and CuPy's side together
+        (with ``device``: the pinned arena and the VMM pool each): an
         int is bytes (at least one chunk, 2 MiB), a float in (0, 1] a fraction
         of the device's free memory at ``enable()`` (of the host's available
         memory for ``host``). Default: the budget of docs/backends.md — the
@@ -105,15 +106,19 @@ def current() -> State | None:
     return _state
 
 
+_contexts: dict = {}  # device -> its primary context, retained once for the process
+
+
 def _gpu_context(device: int) -> tuple[int, int, int]:
-    """Retain the device's primary context (CuPy's too); (context, free
-    bytes, total bytes)."""
+    """The device's primary context (CuPy's too), retained once; (context,
+    free bytes, total bytes)."""
     from cuda.bindings import driver
 
     from ._probe import _call
 
-    dev = _call(driver.cuDeviceGet, device)
-    ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
+    ctx = _contexts.get(device)
+    if ctx is None:
+        ctx = _contexts[device] = _call(driver.cuDevicePrimaryCtxRetain, _call(driver.cuDeviceGet, device))
     _call(driver.cuCtxPushCurrent, ctx)
     try:
         free, total = _call(driver.cuMemGetInfo)
@@ -168,7 +173,13 @@ def _budgets(chosen: backends.Backend, opts: Options, device: tuple[int, int] | 
         backends.default_headroom(total) if total is not None else 0)
     cap = opts.cap
     if cap is None:
-        return chosen.default_cap(free, headroom), chosen.cupy_cap(free, headroom), headroom
+        caps = chosen.default_cap(free, headroom), chosen.cupy_cap(free, headroom)
+        if min(caps) < MIN_CAP:
+            where = (f"the device has {free} bytes free and the headroom is {headroom}" if free is not None
+                     else f"the host has {backends.host_available_bytes()} bytes available")
+            raise UmpError(f"no room for the {chosen.name} backend's budget: {where}; free memory, "
+                           "or set cap= (and headroom=) explicitly")
+        return (*caps, headroom)
     if isinstance(cap, float):
         basis = free if free is not None else backends.host_available_bytes()
         cap = max(int(basis * cap), MIN_CAP)
@@ -236,7 +247,7 @@ def enable(backend: str = "auto", **options) -> str:
                     "starts (export CUPY_ENABLE_UMP=1), then call ump.enable(); or start the "
                     "program with `python -m ump run`"
                 )
-            cupy = _cupy_compat.import_cupy(sam=chosen.name == "system")
+            cupy = _cupy_compat.import_cupy()
             _core.cuda_load()
             ctx, free, total = _gpu_context(opts.device)
             device = (free, total)
@@ -250,7 +261,8 @@ def enable(backend: str = "auto", **options) -> str:
                 if pool is None:
                     pool = _device_pools[opts.device] = _vmm.VMMPool(opts.device, limit=cupy_cap)
                 else:
-                    pool.set_limit(cupy_cap)
+                    # free memory no longer counts what the pool already holds
+                    pool.set_limit(cupy_cap if opts.cap is not None else cupy_cap + pool.total_bytes())
             else:
                 # Its own arena even where the chunks are alike: statistics
                 # then tell NumPy's blocks from those CuPy's pool caches.
@@ -259,7 +271,12 @@ def enable(backend: str = "auto", **options) -> str:
                                        pool_for=_device_pool)
             with cupy.cuda.Device(opts.device):
                 hook.install()
-        _numpy_hook.install(numpy_arena.id)
+        try:
+            _numpy_hook.install(numpy_arena.id)
+        except BaseException:
+            if hook is not None:
+                hook.uninstall()  # nothing half-enabled stays behind
+            raise
         _state = State(chosen, opts, backend, numpy_arena, cupy_arena, hook)
         return chosen.name
 

@@ -19,14 +19,17 @@ ENV_OPTIONS = {
     "UMP_PLACEMENT": "placement",
     "UMP_SYNC": "sync",
     "UMP_DEVICE": "device",
+    "UMP_PREFETCH_MIN": "prefetch_min",
 }
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(text: str) -> int | float:
-    """Bytes as an int (``"4294967296"``, ``"4G"``, ``"512MiB"``) or a
-    fraction as a float (``"0.5"``).
+    """Bytes as an int (``"4294967296"``, ``"8e9"``, ``"4G"``, ``"512MiB"``:
+    units are binary, ``G``, ``GB`` and ``GiB`` alike) or a fraction in
+    (0, 1] as a float (``"0.5"``). A whole number is bytes: ``"1"`` is one
+    byte.
 
     Raises
     ------
@@ -38,10 +41,15 @@ def parse_size(text: str) -> int | float:
     if m:
         return int(m.group(1)) * _UNITS[m.group(2).lower()]
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise ValueError(f"{text!r} is not a size (bytes such as 4G or 512MiB) or a fraction "
-                         "(such as 0.5)") from None
+        value = None
+    if value is not None and 0.0 < value <= 1.0:
+        return value
+    if value is not None and value > 1.0 and value == int(value):
+        return int(value)  # 8e9
+    raise ValueError(f"{text!r} is not a size (bytes such as 4G, 512MiB or 8e9) or a fraction "
+                     "in (0, 1] (such as 0.5)")
 
 
 def settings(flags: dict | None = None, environ=os.environ) -> tuple[str, dict]:
@@ -50,7 +58,7 @@ def settings(flags: dict | None = None, environ=os.environ) -> tuple[str, dict]:
     merged = {opt: environ[var] for var, opt in ENV_OPTIONS.items() if environ.get(var)}
     merged.update({k: v for k, v in (flags or {}).items() if v is not None})
     backend = merged.pop("backend", "auto")
-    for key in ("cap", "headroom"):
+    for key in ("cap", "headroom", "prefetch_min"):
         if isinstance(merged.get(key), str):
             merged[key] = parse_size(merged[key])
     if isinstance(merged.get("device"), str):
@@ -72,11 +80,13 @@ def start(backend: str, options: dict) -> str:
 def run(*, script: str | None = None, module: str | None = None, args=()) -> None:
     """Run ``script`` or ``module`` as ``__main__`` with ``args`` as its
     command line, as ``python script.py`` or ``python -m`` would."""
+    # sys.path[0] as Python sets it: the current directory for -m, the
+    # script's directory for a script.
     if module is not None:
         sys.argv = [module, *args]
-        sys.path.insert(0, os.getcwd())
+        sys.path[0] = os.getcwd()
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
         sys.argv = [script, *args]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")

@@ -14,7 +14,12 @@ import threading
 
 from . import _core
 
-__all__ = ["install", "uninstall", "handler_class", "owns"]
+__all__ = ["install", "uninstall", "handler_class", "owns", "handler_name"]
+
+try:  # NumPy >= 2
+    from numpy._core.multiarray import get_handler_name as handler_name
+except ImportError:  # pragma: no cover - NumPy 1.x
+    from numpy.core.multiarray import get_handler_name as handler_name
 
 _allocator = None  # the numpy_allocator class, made once
 _original_bootstrap = threading.Thread._bootstrap_inner

@@ -33,6 +33,7 @@ class BlockState:
     on_gpu: int | None = None   # the device ump migrated the block to
     heavy: bool = False         # GPU time on it beat a migration
     start: object = None        # event recorded at the hand-off being measured
+    start_device: int = -1      # the device that event belongs to
 
 
 class Placement:
@@ -70,6 +71,7 @@ class Placement:
         elif state.start is None:
             state.start = cuda.Event()
             state.start.record()
+            state.start_device = cuda.runtime.getDevice()
 
     def on_host_export(self, kind: str, base: int, size: int, waited: float | None = None) -> None:
         """A block goes back to the host: learn from the GPU time it took
@@ -83,16 +85,18 @@ class Placement:
         cuda = self.cupy.cuda
         stream = cuda.get_current_stream()
         if state.start is not None:
-            end = cuda.Event()
-            end.record(stream)
-            end.synchronize()
-            gpu_seconds = cuda.get_elapsed_time(state.start, end) / 1e3
-            if waited is not None:
-                gpu_seconds = min(gpu_seconds, waited)
-            state.start = None
-            if gpu_seconds > size * MIGRATION_SECONDS_PER_BYTE:
-                state.heavy = True
+            start, state.start = state.start, None
+            # A measurement needs the host's wait (a non-blocking get() has
+            # none) and both events on one device.
+            if waited is not None and state.start_device == cuda.runtime.getDevice():
+                end = cuda.Event()
+                end.record(stream)
+                end.synchronize()
+                gpu_seconds = min(cuda.get_elapsed_time(start, end) / 1e3, waited)
+                if gpu_seconds > size * MIGRATION_SECONDS_PER_BYTE:
+                    state.heavy = True
         if state.on_gpu is not None:
             _core.prefetch(base, size, -1, stream.ptr)
-            stream.synchronize()
+            if waited is not None:
+                stream.synchronize()  # else the caller waits for the stream, as CuPy's contract says
             state.on_gpu = None

@@ -87,7 +87,7 @@ def _cupy():
     if cupy is None:
         from ._cupy_compat import import_cupy
 
-        cupy = import_cupy(sam=False)
+        cupy = import_cupy()
     return cupy
 
 
@@ -150,9 +150,9 @@ class VMMPool:
             reserve = RESERVE_FACTOR * self.device_memory
         pool_id = _core.vmm_create(provider, self.device, ctx, reserve, limit_bytes)
         if pool_id < 0:
-            status = _core.last_status() or -5
+            status = _core.last_status() or _core.ERR_ARG
             hint = (f": at most {MAX_POOLS} pools may exist at once (close() unused ones)"
-                    if status == -5 else "")
+                    if status == _core.ERR_ARG else "")
             _core.check(status, f"creating a VMM pool on device {self.device}{hint}")
         self._id = pool_id
         with _pools_lock:
@@ -219,7 +219,7 @@ class VMMPool:
             status = _core.last_status()
             name = _core.error_name(status)
             where = "emulated pool" if self.emulated else f"VMM pool on device {self.device}"
-            if status == -5:  # UMP_ERR_ARG: larger than the reservation
+            if status == _core.ERR_ARG:  # larger than the reservation
                 raise OutOfMemoryError(f"{where}: {size} bytes exceed the reserved address range "
                                        f"of {self.statistics().reserved_bytes} bytes", name)
             limit = self.get_limit()
@@ -537,7 +537,7 @@ class GrowableBuffer(Resource):
         self.pool = pool
         buf = _core.vmm_buffer_create(pool.id, max_bytes)
         if buf < 0:
-            _core.check(_core.last_status() or -5, f"reserving {max_bytes} bytes for a buffer")
+            _core.check(_core.last_status() or _core.ERR_ARG, f"reserving {max_bytes} bytes for a buffer")
         self._buf = buf
         self.ptr = _core.vmm_buffer(pool.id, buf)[0]
         self.max_bytes = max_bytes

@@ -24,9 +24,8 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("ump.dask needs Dask's distributed scheduler: pip install 'ump[dask]'") from err
 
-import numpy
-
 from . import _enable, _numpy_hook, backends as _backends
+from ._launch import parse_size
 
 __all__ = ["UmpPlugin", "backends", "dask_setup", "parse_cap"]
 
@@ -101,7 +100,7 @@ class UmpPlugin(WorkerPlugin):
         # create the task's execution, before it does: enter ump's handler
         # there, once per context, so the copy the task runs in has it.
         if finish == "executing" and self._enabled and _enable.current() is not None:
-            if numpy._core.multiarray.get_handler_name() != "ump":
+            if _numpy_hook.handler_name() != "ump":
                 _numpy_hook.handler_class().__enter__()
 
     def teardown(self, worker):
@@ -135,31 +134,21 @@ def backends(client) -> dict:
 
 
 def parse_cap(text: str | int | float | None) -> int | float | None:
-    """A cap as written on a command line: ``"0.5"`` (a fraction of free
-    memory), ``"8GiB"``, ``"8e9"`` or ``"8000000000"`` (bytes).
+    """A cap as written on a command line, as ``python -m ump run`` reads it:
+    ``"0.5"`` (a fraction of free memory), ``"8GiB"``, ``"8e9"`` or
+    ``"8000000000"`` (bytes).
 
     Raises
     ------
     ValueError
-        Text that is neither a fraction nor an amount of bytes.
+        Text that is neither a fraction in (0, 1] nor an amount of bytes.
     """
     if text is None or isinstance(text, (int, float)):
         return text
-    text = text.strip()
     try:
-        value = float(text)
-    except ValueError:
-        from dask.utils import parse_bytes
-
-        try:
-            return parse_bytes(text)
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"--ump-cap: {text!r} is neither a fraction nor an amount of bytes") from err
-    if 0.0 < value <= 1.0 and not text.isdigit():
-        return value
-    if value != int(value):
-        raise ValueError(f"--ump-cap: {text!r} is neither a fraction in (0, 1] nor a whole number of bytes")
-    return int(value)
+        return parse_size(text)
+    except ValueError as err:
+        raise ValueError(f"--ump-cap: {err}") from None
 
 
 def _options_from_cli(cap, device, placement, prefetch_min, sync) -> dict:
@@ -167,9 +156,7 @@ def _options_from_cli(cap, device, placement, prefetch_min, sync) -> dict:
     if cap is not None:
         options["cap"] = parse_cap(cap)
     if prefetch_min is not None:
-        from dask.utils import parse_bytes
-
-        options["prefetch_min"] = parse_bytes(prefetch_min)
+        options["prefetch_min"] = parse_size(prefetch_min)
     return options
 
 

@@ -8,24 +8,38 @@ installed, load it with ``-p ump.pytest_plugin``. ump is enabled in
 ``pytest_configure``, in the main process and in every pytest-xdist worker,
 after the initial conftest files ran: CuPy may be imported by then (CuPy's
 own test settings import it), which ump supports. The ``UMP_*`` environment
-variables of ``python -m ump run`` apply as well; flags win.
+variables of ``python -m ump run`` apply as well (``--ump`` without a value
+takes ``UMP_BACKEND``, else ``auto``); flags win.
+
+Under pytest-xdist each of N workers on one GPU gets, unless a cap is set,
+0.9/N of the device's free memory: N processes each taking the default
+budget would together ask for N times what the GPU has.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from ._launch import settings
 
 
+_FLAGS = ("cap", "headroom", "placement", "sync", "device")
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("ump", "unified memory for NumPy and CuPy")
-    group.addoption("--ump", nargs="?", const="auto", default=None, metavar="BACKEND",
-                    help="enable ump (backend: auto, system, managed, pinned, device, host)")
+    group.addoption("--ump", nargs="?", const="", default=None, metavar="BACKEND",
+                    help="enable ump (backend: auto, system, managed, pinned, device, host; "
+                         "default UMP_BACKEND, else auto)")
     group.addoption("--ump-cap", default=None, metavar="SIZE",
                     help="ump's budget: bytes (4G, 512MiB) or a fraction of free device memory")
+    group.addoption("--ump-headroom", default=None, metavar="SIZE", help="device memory left to others")
     group.addoption("--ump-placement", default=None, choices=("auto", "host", "migrate"),
                     help="placement of managed NumPy blocks")
+    group.addoption("--ump-sync", default=None, choices=("device", "stream"), help="what exports wait for")
+    group.addoption("--ump-device", default=None, metavar="INDEX", help="the CUDA device")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -35,9 +49,16 @@ def pytest_configure(config):
         return
     import ump
 
-    name, options = settings({"backend": backend, "cap": config.getoption("ump_cap"),
-                              "placement": config.getoption("ump_placement")})
-    ump.enable(name, **options)
+    flags = {name: config.getoption(f"ump_{name}") for name in _FLAGS}
+    flags["backend"] = backend or None
+    try:
+        name, options = settings(flags)
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        if "cap" not in options and workers > 1:
+            options["cap"] = 0.9 / workers
+        ump.enable(name, **options)
+    except (ValueError, TypeError, ump.UmpError) as err:
+        raise pytest.UsageError(f"--ump: {err}") from err
 
 
 def pytest_report_header(config):
