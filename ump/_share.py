@@ -186,11 +186,13 @@ def _in_context(device: int, fn):
 
     dev = _call(driver.cuDeviceGet, device)
     ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
-    _call(driver.cuCtxPushCurrent, ctx)
     try:
-        return fn(driver, _call)
+        _call(driver.cuCtxPushCurrent, ctx)
+        try:
+            return fn(driver, _call)
+        finally:
+            _call(driver.cuCtxPopCurrent)
     finally:
-        _call(driver.cuCtxPopCurrent)
         _call(driver.cuDevicePrimaryCtxRelease, dev)
 
 
@@ -199,8 +201,12 @@ def record_event(device: int, stream: int):
     def run(driver, call):
         flags = (driver.CUevent_flags.CU_EVENT_INTERPROCESS | driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         ev = call(driver.cuEventCreate, flags)
-        call(driver.cuEventRecord, ev, stream)
-        return ev, bytes(call(driver.cuIpcGetEventHandle, ev).reserved)
+        try:
+            call(driver.cuEventRecord, ev, stream)
+            return ev, bytes(call(driver.cuIpcGetEventHandle, ev).reserved)
+        except BaseException:
+            call(driver.cuEventDestroy, ev)
+            raise
 
     return _in_context(device, run)
 
@@ -310,6 +316,8 @@ class Listener(Resource):
             self._sock.listen(backlog)
         except BaseException:
             self._sock.close()
+            if self._dir is not None:
+                os.rmdir(self._dir)  # bind may have failed before the socket file existed
             raise
 
     def accept(self) -> Connection:
