@@ -35,7 +35,9 @@ class ReleaseQueue:
     """
 
     MAX_PENDING = 4096
-    MAX_PENDING_BYTES = 1 << 30
+    #: Bytes of distinct arrays held before a drain; a view dropped again and
+    #: again (a loop over one array) holds its array once.
+    MAX_PENDING_BYTES = 256 << 20
 
     _shared: dict = {}
 
@@ -49,6 +51,7 @@ class ReleaseQueue:
     def __init__(self, cupy):
         self.cupy = cupy
         self._pending: dict[int, collections.deque] = {}  # device -> (sequence, array)
+        self._held: dict[int, list] = {}  # id(array) -> [entries pending, bytes]
         self._count = 0
         self._bytes = 0
         self._lock = threading.Lock()
@@ -59,7 +62,11 @@ class ReleaseQueue:
     def defer(self, array, device: int) -> None:
         with self._lock:
             self._count += 1
-            self._bytes += array.nbytes
+            held = self._held.get(id(array))
+            if held is None:
+                held = self._held[id(array)] = [0, array.nbytes]
+                self._bytes += array.nbytes
+            held[0] += 1
             self._pending.setdefault(device, collections.deque()).append((self._count, array))
             full = len(self) > self.MAX_PENDING or self._bytes > self.MAX_PENDING_BYTES
         if full:
@@ -75,7 +82,12 @@ class ReleaseQueue:
         with self._lock:
             queue = self._pending.get(device)
             while queue and queue[0][0] <= mark:
-                self._bytes -= queue.popleft()[1].nbytes
+                array = queue.popleft()[1]
+                held = self._held[id(array)]
+                held[0] -= 1
+                if not held[0]:
+                    del self._held[id(array)]
+                    self._bytes -= held[1]
 
     def drain(self) -> None:
         """Wait for every device with pending arrays and release them all."""

@@ -1,0 +1,65 @@
+"""The order in which NumPy memory that CuPy viewed is released, on the CPU:
+the queue's logic with a stand-in for the two CuPy calls it makes (entering
+a device, waiting for it), which record what they were asked."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+
+from ump._cupy_alloc import ReleaseQueue
+
+
+def _fake_cupy(log):
+    @contextlib.contextmanager
+    def device(d):
+        log.append(("enter", d))
+        yield
+
+    runtime = types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)))
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(Device=device, runtime=runtime))
+
+
+def test_an_array_is_released_only_by_a_wait_begun_after_it_was_deferred():
+    queue = ReleaseQueue(_fake_cupy([]))
+    a, b = np.ones(10), np.ones(20)
+    queue.defer(a, 0)
+    mark = queue.mark()  # a device-wide wait begins ...
+    queue.defer(b, 0)  # ... while another view is dropped
+    queue.synchronized(0, mark)
+    assert len(queue) == 1  # b was deferred after the wait began: kept
+    queue.synchronized(0, queue.mark())
+    assert len(queue) == 0
+
+
+def test_a_wait_on_one_device_releases_nothing_of_another():
+    queue = ReleaseQueue(_fake_cupy([]))
+    queue.defer(np.ones(4), 0)
+    queue.defer(np.ones(4), 1)
+    queue.synchronized(1, queue.mark())
+    assert len(queue) == 1 and queue._pending[0]
+
+
+def test_too_many_bytes_drain_every_device_and_count_an_array_once():
+    log = []
+    queue = ReleaseQueue(_fake_cupy(log))
+    queue.MAX_PENDING_BYTES = 1000
+    big = np.ones(100)  # 800 bytes
+    for _ in range(5):
+        queue.defer(big, 0)  # the same array, dropped again and again: held once
+    assert log == [] and len(queue) == 5 and queue._bytes == 800
+    queue.defer(np.ones(100), 1)  # 1600 distinct bytes: wait for both devices
+    assert log == [("enter", 0), ("sync",), ("enter", 1), ("sync",)]
+    assert len(queue) == 0 and queue._bytes == 0 and not queue._held
+
+
+def test_too_many_entries_drain():
+    log = []
+    queue = ReleaseQueue(_fake_cupy(log))
+    queue.MAX_PENDING = 3
+    arrays = [np.ones(1) for _ in range(4)]
+    for a in arrays:
+        queue.defer(a, 0)
+    assert log == [("enter", 0), ("sync",)] and len(queue) == 0
