@@ -17,7 +17,11 @@
 extern "C" {
 #endif
 
-#define UMP_ABI_VERSION 3
+/* The version of the functions' signatures, which ump/_core.py declares by
+ * hand; bump it when one changes. Constants and struct layouts need no
+ * version: the extension module exports them (module.c) and the Python layer
+ * builds its mirrors from what it exports. */
+#define UMP_ABI_VERSION 4
 
 /* CuPy's kernels and memory pool work in 512-byte units, so every block is
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
@@ -42,7 +46,8 @@ enum ump_provider {
 };
 
 /* Status codes beyond CUDA's own CUresult values (which are >= 0). One list
- * gives the constants and their names (ump_cuda_error_name). */
+ * gives the constants, their names (ump_cuda_error_name) and the extension's
+ * attributes. */
 #define UMP_OK 0
 #define UMP_ERRORS(X)                                                             \
     X(UMP_ERR_NOMEM, -1)       /* the OS or the provider is out of memory */      \
@@ -63,8 +68,9 @@ enum ump_error {
 #define UMP_MAX_ARENAS 8
 #define UMP_MAX_POOLS 16
 
-/* The statistics structs are lists of uint64_t fields, each written once,
- * so that other declarations (names, mirrors) can be made from the list. */
+/* The statistics structs are lists of uint64_t fields, each written once:
+ * the typedef and the extension's field names (module.c) come from the list,
+ * so the Python mirror is checked against it, never copied from it. */
 #define UMP_U64_FIELD(name) uint64_t name;
 
 /* An arena's statistics (ump_arena_stats, ump_fallback_stats). */

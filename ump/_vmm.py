@@ -32,7 +32,7 @@ _pools_lock = threading.Lock()
 #: Address space a pool reserves, as a multiple of its device's memory:
 #: holes between blocks cost address space only, never physical memory.
 RESERVE_FACTOR = 4
-MAX_POOLS = 16  # UMP_MAX_POOLS in csrc/ump.h
+MAX_POOLS = _core.MAX_POOLS
 
 
 @dataclasses.dataclass(frozen=True)
