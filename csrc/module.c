@@ -35,6 +35,8 @@ static const struct constant constants[] = {
     CONSTANT(UMP_ARENA_CUPY)
     CONSTANT(UMP_OK)
     UMP_ERRORS(ERROR_CONSTANT)
+    /* CUDA's statuses reach Python unchanged; this is the one it acts on. */
+    CONSTANT(CUDA_ERROR_OUT_OF_MEMORY)
 };
 
 /* The names Python gives the kinds (ump.kind_of, Options.kind). */

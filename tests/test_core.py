@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from ump import _core, _ucore, _vmm
+from ump import OutOfMemoryError, UmpError, _core, _ucore, _vmm
 
 STRUCTS = [
     (_core._CStats, _ucore.STATS_FIELDS, _ucore.STATS_SIZE, _core.Statistics),
@@ -49,3 +49,22 @@ def test_constants_are_the_extensions():
                  "ARENA_ADVISE_HOST", "ARENA_CUPY", "ALIGN", "MAX_ARENAS", "MAX_POOLS"):
         assert getattr(_core, name) == getattr(_ucore, "UMP_" + name), name
     assert _vmm.MAX_POOLS == _ucore.UMP_MAX_POOLS
+    assert _core.CUDA_ERROR_OUT_OF_MEMORY == _ucore.CUDA_ERROR_OUT_OF_MEMORY == 2  # cuda.h
+
+
+@pytest.mark.parametrize("status", [_core.ERR_CAP, _core.CUDA_ERROR_OUT_OF_MEMORY])
+def test_out_of_memory_statuses_raise_out_of_memory_error(status):
+    with pytest.raises(OutOfMemoryError):
+        _core.check(status, "allocating")
+
+
+@pytest.mark.parametrize("status", [_core.ERR_ARG, _core.ERR_HANDLE, 1])
+def test_other_statuses_raise_ump_error(status):
+    with pytest.raises(UmpError) as info:
+        _core.check(status, "allocating")
+    assert not isinstance(info.value, OutOfMemoryError)
+    assert info.value.cuda_error == _core.error_name(status)
+
+
+def test_success_raises_nothing():
+    _core.check(_core.OK, "allocating")

@@ -44,6 +44,9 @@ ERR_ARG = _ucore.UMP_ERR_ARG
 ERR_INJECTED = _ucore.UMP_ERR_INJECTED
 ERR_HANDLE = _ucore.UMP_ERR_HANDLE
 ERR_UNSUPPORTED = _ucore.UMP_ERR_UNSUPPORTED
+CUDA_ERROR_OUT_OF_MEMORY = _ucore.CUDA_ERROR_OUT_OF_MEMORY
+#: Statuses that mean the memory ran out: an arena's cap, or the device.
+OUT_OF_MEMORY = frozenset({ERR_CAP, CUDA_ERROR_OUT_OF_MEMORY})
 
 lib = ctypes.CDLL(_ucore.__file__)
 
@@ -160,7 +163,7 @@ def check(status: int, what: str) -> None:
     if status == OK:
         return
     name = error_name(status)
-    if status in (ERR_CAP,) or name == "CUDA_ERROR_OUT_OF_MEMORY":
+    if status in OUT_OF_MEMORY:
         raise OutOfMemoryError(what, name)
     raise UmpError(what, name)
 
