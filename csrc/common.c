@@ -21,14 +21,9 @@ int ump_abi_version(void) { return UMP_ABI_VERSION; }
 const char *ump__status_name(int status)
 {
     switch (status) {
-    case UMP_ERR_NOMEM: return "UMP_ERR_NOMEM";
-    case UMP_ERR_CAP: return "UMP_ERR_CAP";
-    case UMP_ERR_NOCUDA: return "UMP_ERR_NOCUDA";
-    case UMP_ERR_FORKED: return "UMP_ERR_FORKED";
-    case UMP_ERR_ARG: return "UMP_ERR_ARG";
-    case UMP_ERR_INJECTED: return "UMP_ERR_INJECTED";
-    case UMP_ERR_HANDLE: return "UMP_ERR_HANDLE";
-    case UMP_ERR_UNSUPPORTED: return "UMP_ERR_UNSUPPORTED";
+#define UMP_ERROR_CASE(name, value) case name: return #name;
+    UMP_ERRORS(UMP_ERROR_CASE)
+#undef UMP_ERROR_CASE
     default: return NULL;
     }
 }

@@ -17,7 +17,11 @@
 extern "C" {
 #endif
 
-#define UMP_ABI_VERSION 3
+/* The version of the functions' signatures, which ump/_core.py declares by
+ * hand; bump it when one changes. Constants and struct layouts need no
+ * version: the extension module exports them (module.c) and the Python layer
+ * builds its mirrors from what it exports. */
+#define UMP_ABI_VERSION 4
 
 /* CuPy's kernels and memory pool work in 512-byte units, so every block is
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
@@ -41,30 +45,46 @@ enum ump_provider {
     UMP_PROVIDER_DEVICE = 3    /* VMM pools: cuMemCreate + cuMemMap */
 };
 
-/* Status codes beyond CUDA's own CUresult values (which are >= 0). */
+/* Status codes beyond CUDA's own CUresult values (which are >= 0). One list
+ * gives the constants, their names (ump_cuda_error_name) and the extension's
+ * attributes. */
 #define UMP_OK 0
-#define UMP_ERR_NOMEM (-1)      /* the OS or the provider is out of memory */
-#define UMP_ERR_CAP (-2)        /* the arena's cap would be exceeded */
-#define UMP_ERR_NOCUDA (-3)     /* libcuda.so.1 is not loaded */
-#define UMP_ERR_FORKED (-4)     /* a child after fork() must not call CUDA */
-#define UMP_ERR_ARG (-5)        /* a bad argument (size, arena id, ...) */
-#define UMP_ERR_INJECTED (-6)   /* failure injected by ump_fault_inject() */
-#define UMP_ERR_HANDLE (-7)     /* not a shareable handle of ump's, or not the one described */
-#define UMP_ERR_UNSUPPORTED (-8) /* the driver cannot share physical memory */
+#define UMP_ERRORS(X)                                                             \
+    X(UMP_ERR_NOMEM, -1)       /* the OS or the provider is out of memory */      \
+    X(UMP_ERR_CAP, -2)         /* the arena's cap would be exceeded */            \
+    X(UMP_ERR_NOCUDA, -3)      /* libcuda.so.1 is not loaded */                   \
+    X(UMP_ERR_FORKED, -4)      /* a child after fork() must not call CUDA */      \
+    X(UMP_ERR_ARG, -5)         /* a bad argument (size, arena id, ...) */         \
+    X(UMP_ERR_INJECTED, -6)    /* failure injected by ump_fault_inject() */       \
+    X(UMP_ERR_HANDLE, -7)      /* not ump's handle, or not the one described */   \
+    X(UMP_ERR_UNSUPPORTED, -8) /* the driver cannot share physical memory */
+
+enum ump_error {
+#define UMP_ERROR_ENUM(name, value) name = (value),
+    UMP_ERRORS(UMP_ERROR_ENUM)
+#undef UMP_ERROR_ENUM
+};
 
 #define UMP_MAX_ARENAS 8
 #define UMP_MAX_POOLS 16
 
-typedef struct {
-    uint64_t current_bytes, peak_bytes, total_bytes;
-    uint64_t current_count, peak_count, total_count;
-    uint64_t held_bytes;     /* taken from the provider (live + cached) */
-    uint64_t cached_bytes;   /* held but wholly free (empty slabs, free runs) */
-    uint64_t cap_bytes;
-    uint64_t chunk_allocs;   /* provider calls that succeeded */
-    uint64_t chunk_frees;
-    uint64_t failures;       /* allocations refused (cap, provider error) */
-} ump_stats_t;
+/* The statistics structs are lists of uint64_t fields, each written once:
+ * the typedef and the extension's field names (module.c) come from the list,
+ * so the Python mirror is checked against it, never copied from it. */
+#define UMP_U64_FIELD(name) uint64_t name;
+
+/* An arena's statistics (ump_arena_stats, ump_fallback_stats). */
+#define UMP_STATS_FIELDS(X)                                                       \
+    X(current_bytes) X(peak_bytes) X(total_bytes)                                 \
+    X(current_count) X(peak_count) X(total_count)                                 \
+    X(held_bytes)   /* taken from the provider (live + cached) */                 \
+    X(cached_bytes) /* held but wholly free (empty slabs, free runs) */           \
+    X(cap_bytes)                                                                  \
+    X(chunk_allocs) /* provider calls that succeeded */                           \
+    X(chunk_frees)                                                                \
+    X(failures)     /* allocations refused (cap, provider error) */
+
+typedef struct { UMP_STATS_FIELDS(UMP_U64_FIELD) } ump_stats_t;
 
 /* --- NumPy hooks (NEP 49, through numpy_allocator) ---------------------- */
 void *ump_malloc(size_t size);
@@ -89,23 +109,25 @@ int ump_arena_stats(int arena, ump_stats_t *out);
 int ump_fallback_stats(ump_stats_t *out);
 
 /* --- VMM device pools (vmm.c) ------------------------------------------- */
-typedef struct {
-    uint64_t used_bytes, peak_used_bytes, total_bytes;  /* blocks handed out */
-    uint64_t current_count, peak_count, total_count;
-    uint64_t buffer_bytes;          /* growable buffers, in use */
-    uint64_t reserved_bytes;        /* address space reserved */
-    uint64_t mapped_bytes, peak_mapped_bytes;
-    uint64_t physical_bytes, peak_physical_bytes; /* handles held: mapped + cached */
-    uint64_t cached_bytes;          /* handles held but not mapped */
-    uint64_t idle_bytes;            /* mapped, touched by no live block */
-    uint64_t limit_bytes, granularity;
-    uint64_t handles, handles_created, handles_released, maps, unmaps;
-    uint64_t rollbacks, migrations, failures, bad_frees;
-    uint64_t view_bytes;            /* address space mapped by views */
-    uint64_t shared_bytes;          /* handles views own (in physical_bytes) */
-    uint64_t imported_bytes;        /* other processes' memory mapped here */
-    uint64_t views, exports;        /* live views; handles exported so far */
-} ump_vmm_stats_t;
+/* A pool's statistics (ump_vmm_stats). */
+#define UMP_VMM_STATS_FIELDS(X)                                                   \
+    X(used_bytes) X(peak_used_bytes) X(total_bytes) /* blocks handed out */       \
+    X(current_count) X(peak_count) X(total_count)                                 \
+    X(buffer_bytes)        /* growable buffers, in use */                         \
+    X(reserved_bytes)      /* address space reserved */                           \
+    X(mapped_bytes) X(peak_mapped_bytes)                                          \
+    X(physical_bytes) X(peak_physical_bytes) /* handles held: mapped + cached */  \
+    X(cached_bytes)        /* handles held but not mapped */                      \
+    X(idle_bytes)          /* mapped, touched by no live block */                 \
+    X(limit_bytes) X(granularity)                                                 \
+    X(handles) X(handles_created) X(handles_released) X(maps) X(unmaps)           \
+    X(rollbacks) X(migrations) X(failures) X(bad_frees)                           \
+    X(view_bytes)          /* address space mapped by views */                    \
+    X(shared_bytes)        /* handles views own (in physical_bytes) */            \
+    X(imported_bytes)      /* other processes' memory mapped here */              \
+    X(views) X(exports)    /* live views; handles exported so far */
+
+typedef struct { UMP_VMM_STATS_FIELDS(UMP_U64_FIELD) } ump_vmm_stats_t;
 
 /* provider: UMP_PROVIDER_DEVICE, or UMP_PROVIDER_HOST for the same pool on an
  * emulated physical layer (memfd) that runs without a GPU. ctx: the device's

@@ -12,36 +12,57 @@ import dataclasses
 from . import _ucore
 from ._errors import OutOfMemoryError, UmpError
 
-ABI_VERSION = 3
+# The version of the functions' signatures declared below (UMP_ABI_VERSION in
+# csrc/ump.h). Constants and struct layouts are read from the extension.
+ABI_VERSION = 4
 if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
     raise ImportError(
         f"ump's C extension has ABI {_ucore.ABI_VERSION}, the Python layer expects "
         f"{ABI_VERSION}: rebuild it (pip install -e . or setup.py build_ext --inplace)"
     )
 
-# Kinds and providers, as in csrc/ump.h.
-KINDS = {1: "host", 2: "system", 3: "managed", 4: "pinned", 5: "device"}
-KIND_IDS = {name: kind for kind, name in KINDS.items()}
-PROVIDER_HOST, PROVIDER_MANAGED, PROVIDER_PINNED, PROVIDER_DEVICE = 0, 1, 2, 3
-MAX_ARENAS = 8
-ERR_CAP, ERR_ARG, ERR_INJECTED, ERR_HANDLE, ERR_UNSUPPORTED = -2, -5, -6, -7, -8
-ARENA_ADVISE_HOST, ARENA_CUPY = 1, 2
-ALIGN = 512
+# csrc/ump.h's constants, as the extension (csrc/module.c) exports them.
+KIND_IDS = dict(_ucore.KINDS)
+KINDS = {kind: name for name, kind in KIND_IDS.items()}
+PROVIDER_HOST = _ucore.UMP_PROVIDER_HOST
+PROVIDER_MANAGED = _ucore.UMP_PROVIDER_MANAGED
+PROVIDER_PINNED = _ucore.UMP_PROVIDER_PINNED
+PROVIDER_DEVICE = _ucore.UMP_PROVIDER_DEVICE
+MAX_ARENAS = _ucore.UMP_MAX_ARENAS
+MAX_POOLS = _ucore.UMP_MAX_POOLS
+ARENA_ADVISE_HOST = _ucore.UMP_ARENA_ADVISE_HOST
+ARENA_CUPY = _ucore.UMP_ARENA_CUPY
+ALIGN = _ucore.UMP_ALIGN
+
+# Statuses: 0, ump's own (< 0) and CUDA's CUresult values (> 0).
+OK = _ucore.UMP_OK
+ERR_NOMEM = _ucore.UMP_ERR_NOMEM
+ERR_CAP = _ucore.UMP_ERR_CAP
+ERR_NOCUDA = _ucore.UMP_ERR_NOCUDA
+ERR_FORKED = _ucore.UMP_ERR_FORKED
+ERR_ARG = _ucore.UMP_ERR_ARG
+ERR_INJECTED = _ucore.UMP_ERR_INJECTED
+ERR_HANDLE = _ucore.UMP_ERR_HANDLE
+ERR_UNSUPPORTED = _ucore.UMP_ERR_UNSUPPORTED
+CUDA_ERROR_OUT_OF_MEMORY = _ucore.CUDA_ERROR_OUT_OF_MEMORY
+#: Statuses that mean the memory ran out: an arena's cap, or the device.
+OUT_OF_MEMORY = frozenset({ERR_CAP, CUDA_ERROR_OUT_OF_MEMORY})
 
 lib = ctypes.CDLL(_ucore.__file__)
 
 
-def _u64_struct(name: str, fields: tuple[str, ...]) -> type:
-    """A ctypes mirror of a C struct made only of uint64_t fields."""
-    return type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_uint64) for f in fields]})
+def _u64_struct(name: str, c_name: str, fields: tuple[str, ...], size: int) -> type:
+    """A ctypes mirror of ``c_name``, a C struct of uint64_t fields, checked
+    against the struct's size as the extension was compiled."""
+    struct = type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_uint64) for f in fields]})
+    if ctypes.sizeof(struct) != size:
+        raise ImportError(f"{c_name} has {size} bytes in ump's C extension but its ctypes mirror "
+                          f"{name} has {ctypes.sizeof(struct)}: a field of the struct in csrc/ump.h "
+                          "is not uint64_t, or the extension is stale (rebuild it)")
+    return struct
 
 
-_CStats = _u64_struct("_CStats", (
-    "current_bytes", "peak_bytes", "total_bytes",
-    "current_count", "peak_count", "total_count",
-    "held_bytes", "cached_bytes", "cap_bytes",
-    "chunk_allocs", "chunk_frees", "failures",
-))
+_CStats = _u64_struct("_CStats", "ump_stats_t", _ucore.STATS_FIELDS, _ucore.STATS_SIZE)
 
 
 def _sig(name, restype, *argtypes):
@@ -78,16 +99,8 @@ fault_delay = _sig("ump_fault_delay", None, ctypes.c_uint32)
 is_forked_child = _sig("ump_is_forked_child", _int)
 
 
-_CVmmStats = _u64_struct("_CVmmStats", (
-    "used_bytes", "peak_used_bytes", "total_bytes",
-    "current_count", "peak_count", "total_count",
-    "buffer_bytes", "reserved_bytes", "mapped_bytes", "peak_mapped_bytes",
-    "physical_bytes", "peak_physical_bytes", "cached_bytes", "idle_bytes",
-    "limit_bytes", "granularity",
-    "handles", "handles_created", "handles_released", "maps", "unmaps",
-    "rollbacks", "migrations", "failures", "bad_frees",
-    "view_bytes", "shared_bytes", "imported_bytes", "views", "exports",
-))
+_CVmmStats = _u64_struct("_CVmmStats", "ump_vmm_stats_t", _ucore.VMM_STATS_FIELDS,
+                         _ucore.VMM_STATS_SIZE)
 
 
 vmm_create = _sig("ump_vmm_create", _int, _int, _int, _uptr, _u64, _u64)
@@ -147,10 +160,10 @@ def error_name(status: int) -> str:
 
 def check(status: int, what: str) -> None:
     """Raise the ump exception for a C status (0 is success)."""
-    if status == 0:
+    if status == OK:
         return
     name = error_name(status)
-    if status in (ERR_CAP,) or name == "CUDA_ERROR_OUT_OF_MEMORY":
+    if status in OUT_OF_MEMORY:
         raise OutOfMemoryError(what, name)
     raise UmpError(what, name)
 

@@ -16,10 +16,6 @@ from . import _core
 
 __all__ = ["ReleaseQueue", "UnifiedUpstream", "Lease"]
 
-#: cudaErrorMemoryAllocation, the status of CuPy's CUDARuntimeError when
-#: cudaMalloc finds no memory.
-CUDA_ERROR_MEMORY_ALLOCATION = 2
-
 
 class ReleaseQueue:
     """NumPy arrays that CuPy views let go of, each kept until the device it
@@ -173,7 +169,8 @@ class UnifiedUpstream:
         try:
             return cuda.memory.MemoryPointer(cuda.memory.Memory(size), 0)
         except cuda.runtime.CUDARuntimeError as err:
-            if err.status != CUDA_ERROR_MEMORY_ALLOCATION:
+            # cudaMalloc found no memory: the status CuPy's own pool retries on
+            if err.status != cuda.runtime.errorMemoryAllocation:
                 raise
             return None
 

@@ -32,7 +32,7 @@ _pools_lock = threading.Lock()
 #: Address space a pool reserves, as a multiple of its device's memory:
 #: holes between blocks cost address space only, never physical memory.
 RESERVE_FACTOR = 4
-MAX_POOLS = 16  # UMP_MAX_POOLS in csrc/ump.h
+MAX_POOLS = _core.MAX_POOLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +377,7 @@ class VMMPool:
         if view < 0:
             status = _core.last_status()
             name = _core.error_name(status)
-            if status == _core.ERR_CAP or name == "CUDA_ERROR_OUT_OF_MEMORY":
+            if status in _core.OUT_OF_MEMORY:
                 limit = self.get_limit()
                 raise OutOfMemoryError(f"{what}: out of memory" + (f" (limit {limit} bytes)" if limit else ""),
                                        name)
@@ -432,7 +432,7 @@ class VMMPool:
         if view < 0 and _core.last_status() == _core.ERR_HANDLE:
             raise UmpError(f"file descriptor {fd} is not the shareable memory its handle describes "
                            f"({handle.nbytes} bytes exported by pid {handle.pid}): a foreign or stale "
-                           "handle", "UMP_ERR_HANDLE")
+                           "handle", _core.error_name(_core.ERR_HANDLE))
         mem = self._view(view, "imported", f"importing {handle.nbytes} bytes from pid {handle.pid}",
                          handle.size)
         # CUDA's IPC handles are for other processes (a memory handle fails
