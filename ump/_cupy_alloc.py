@@ -16,6 +16,11 @@ from . import _core
 
 __all__ = ["ReleaseQueue", "UnifiedUpstream", "Lease"]
 
+#: cudaErrorMemoryAllocation, the status of CuPy's CUDARuntimeError when
+#: cudaMalloc finds no memory (CuPy 14's runtime module does not export the
+#: name).
+CUDA_ERROR_MEMORY_ALLOCATION = 2
+
 
 class ReleaseQueue:
     """NumPy arrays that CuPy views let go of, each kept until the device it
@@ -170,7 +175,7 @@ class UnifiedUpstream:
             return cuda.memory.MemoryPointer(cuda.memory.Memory(size), 0)
         except cuda.runtime.CUDARuntimeError as err:
             # cudaMalloc found no memory: the status CuPy's own pool retries on
-            if err.status != cuda.runtime.errorMemoryAllocation:
+            if err.status != CUDA_ERROR_MEMORY_ALLOCATION:
                 raise
             return None
 
