@@ -247,7 +247,7 @@ def test_unknown_option_names_enable_and_the_options():
 
 
 def test_cap_below_one_chunk_is_refused():
-    with pytest.raises(ValueError, match="from one chunk .2097152. to 2\\*\\*63, got 4096"):
+    with pytest.raises(ValueError, match=r"cap must be a number of bytes from 2097152 to 2\*\*63, got 4096 .one chunk"):
         ump.enable(cap=4096)
     with pytest.raises(ValueError, match="headroom must be a non-negative int"):
         ump.enable(headroom=-1)
@@ -278,3 +278,16 @@ def test_no_room_for_a_budget_is_a_clear_error(cpu_only, monkeypatch):
     with pytest.raises(ump.UmpError, match="no room for the host backend's budget: the host has 1048576"):
         ump.enable()
     assert not ump.is_enabled()
+
+
+def test_a_cap_beyond_free_device_memory_warns():
+    """The budget check itself, with the device's numbers given: managed or
+    pinned memory beyond what the GPU holds can hang a shared GPU."""
+    from ump import _enable, backends
+
+    free, total = 10 << 30, 16 << 30
+    with pytest.warns(ump.UmpWarning, match="more than the device's free memory"):
+        _enable._budgets(backends.MANAGED, ump.Options(cap=12 << 30), (free, total))
+    assert _enable._budgets(backends.MANAGED, ump.Options(cap=8 << 30), (free, total))[:2] == (8 << 30, 8 << 30)
+    # the device backend's pool is device memory: a large limit only fails allocations
+    assert _enable._budgets(backends.DEVICE, ump.Options(cap=12 << 30), (free, total))[0] == 12 << 30

@@ -6,10 +6,11 @@ import contextlib
 import dataclasses
 import os
 import threading
+import warnings
 
 from . import _core, _cupy_compat, _cupy_hook, _numpy_hook, _vmm, backends
-from ._errors import UmpError
-from ._probe import check_device_index, probe
+from ._errors import UmpError, UmpWarning
+from ._probe import check_budget, check_device_index, probe
 
 __all__ = ["Options", "enable", "disable", "is_enabled", "enabled", "current", "State"]
 
@@ -64,15 +65,9 @@ class Options:
     sync: str = "device"
 
     def __post_init__(self):
-        cap = self.cap
-        if cap is not None:
-            if isinstance(cap, bool) or not isinstance(cap, (int, float)):
-                raise TypeError(f"cap must be an int (bytes) or a float fraction, not {type(cap).__name__}")
-            if isinstance(cap, float) and not 0.0 < cap <= 1.0:
-                raise ValueError(f"cap as a fraction must be in (0, 1], got {cap}")
-            if isinstance(cap, int) and not MIN_CAP <= cap < 1 << 63:
-                raise ValueError(f"cap must be a number of bytes from one chunk ({MIN_CAP}) to 2**63, "
-                                 f"got {cap}: a smaller cap would send every array to plain memory")
+        if self.cap is not None:
+            check_budget("cap", self.cap, MIN_CAP, " (one chunk at least: a smaller cap would send every "
+                                                   "array to plain memory)")
         hr = self.headroom
         if hr is not None and (isinstance(hr, bool) or not isinstance(hr, int) or hr < 0):
             raise ValueError(f"headroom must be a non-negative int (bytes), got {hr!r}")
@@ -183,6 +178,10 @@ def _budgets(chosen: backends.Backend, opts: Options, device: tuple[int, int] | 
     if isinstance(cap, float):
         basis = free if free is not None else backends.host_available_bytes()
         cap = max(int(basis * cap), MIN_CAP)
+    if free is not None and chosen.uses_gpu and not chosen.vmm_pool and cap > free - headroom:
+        warnings.warn(f"cap={cap} bytes is more than the device's free memory less the headroom "
+                      f"({free - headroom} bytes): {chosen.name} memory beyond what the GPU holds can "
+                      "hang a shared GPU", UmpWarning, stacklevel=3)
     return cap, cap, headroom
 
 
@@ -256,7 +255,7 @@ def enable(backend: str = "auto", **options) -> str:
         numpy_arena = _core.Arena(chosen.numpy_arena_kind, chosen.provider, numpy_cap, chosen.advise_host)
         cupy_arena = hook = pool = None
         if cupy is not None:
-            if chosen.name == "device":
+            if chosen.vmm_pool:
                 pool = _device_pools.get(opts.device)
                 if pool is None:
                     pool = _device_pools[opts.device] = _vmm.VMMPool(opts.device, limit=cupy_cap)

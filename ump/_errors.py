@@ -37,4 +37,5 @@ class BackendUnavailableError(UmpError):
 
 
 class UmpWarning(UserWarning):
-    """Something works, but not the way the user probably wants."""
+    """Something works, but not the way the user probably wants: a cap of
+    managed or pinned memory above what the GPU has free."""

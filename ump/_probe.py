@@ -194,6 +194,20 @@ def check_device_index(device) -> int:
     return device
 
 
+def check_budget(name: str, value, minimum: int = 0, why: str = ""):
+    """``value`` if it is bytes (an int from ``minimum`` to 2**63) or a
+    fraction (a float in (0, 1]); else TypeError/ValueError naming ``name``.
+    The one check of ``enable(cap=...)`` and ``VMMPool(limit=...)``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be an int (bytes) or a float fraction, not {type(value).__name__}")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} as a fraction must be in (0, 1], got {value}")
+    if isinstance(value, int) and not minimum <= value < 1 << 63:
+        bounds = f"from {minimum} to 2**63" if minimum else "non-negative, below 2**63"
+        raise ValueError(f"{name} must be a number of bytes {bounds}, got {value}{why}")
+    return value
+
+
 def device_info(caps: Capabilities, device) -> DeviceInfo:
     """The :class:`DeviceInfo` of ``device``; ValueError if it is not a
     device of this machine."""

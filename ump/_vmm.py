@@ -22,7 +22,7 @@ from . import _core
 from ._cupy_compat import out_of_memory_error
 from ._errors import OutOfMemoryError, UmpError
 from ._resource import Resource
-from ._probe import _call, check_device_index, device_info, probe
+from ._probe import _call, check_budget, check_device_index, device_info, probe
 
 __all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "MappedMemory", "pool_of"]
 
@@ -178,15 +178,8 @@ class VMMPool:
     def _limit_bytes(self, limit) -> int:
         if limit is None:
             return 0
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
-            raise TypeError(f"limit must be an int (bytes) or a float fraction, not {type(limit).__name__}")
-        if isinstance(limit, float):
-            if not 0.0 < limit <= 1.0:
-                raise ValueError(f"limit as a fraction must be in (0, 1], got {limit}")
-            return int(limit * self.device_memory)
-        if not 0 <= limit < 1 << 63:
-            raise ValueError(f"limit must be a non-negative number of bytes below 2**63, got {limit}")
-        return limit
+        check_budget("limit", limit)
+        return int(limit * self.device_memory) if isinstance(limit, float) else limit
 
     @property
     def id(self) -> int:

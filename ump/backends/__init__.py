@@ -42,6 +42,9 @@ class Backend:
     spills_to_device : bool
         CuPy's side is host memory; past the budget CuPy takes plain device
         memory, as stock CuPy does, instead of failing.
+    vmm_pool : bool
+        CuPy's side is a VMM device pool (:class:`ump.VMMPool`), not an
+        arena; NumPy <-> CuPy are copies.
     """
 
     name: str
@@ -51,6 +54,7 @@ class Backend:
     numpy_kind: str | None = None
     gpu_resident: bool = False
     spills_to_device: bool = False
+    vmm_pool: bool = False
 
     @property
     def numpy_arena_kind(self) -> str:

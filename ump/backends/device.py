@@ -20,4 +20,4 @@ class DeviceBackend(Backend):
 
 
 DEVICE = DeviceBackend(name="device", provider=_core.PROVIDER_PINNED, uses_gpu=True,
-                       numpy_kind="pinned", gpu_resident=True)
+                       numpy_kind="pinned", gpu_resident=True, vmm_pool=True)
