@@ -75,15 +75,11 @@ def _stress(gpu_backend):
 
 
 def test_million_operations(gpu_backend):
-    errors, done, pending, _, _ = _stress(gpu_backend)
+    errors, done, pending, before, after = _stress(gpu_backend)
     assert not errors, errors[:3]  # every block held its values, every address matched
     assert done >= OPS
     assert pending == 0  # every NumPy array CuPy used was released after the GPU finished
-
-
-def test_statistics_back_to_start_after_stress(gpu_backend):
-    errors, _, _, before, after = _stress(gpu_backend)
-    assert not errors
+    # and the NumPy arena's live statistics are back where they started
     assert (after.current_bytes, after.current_count) == (before.current_bytes, before.current_count)
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import random
-import threading
 
 import pytest
 
 import ump
+from _threads import run_threads
 from ump import _core
 from ump._vmm import VMMPool
 
@@ -260,35 +260,25 @@ def test_fragmentation_workload_holds_little_more_than_it_uses(pool):
 
 
 def test_threads(pool):
-    errors = []
-
     def work(seed):
         rng = random.Random(seed)
         live = []
-        try:
-            for _ in range(1500):
-                if live and rng.random() < 0.5:
-                    p, n, tag = live.pop(rng.randrange(len(live)))
-                    if not _check(p, min(n, 4096), tag):
-                        errors.append("corrupted")
-                    pool.deallocate(p)
-                else:
-                    n = rng.randrange(1, 3 * MiB)
-                    p = pool.allocate(n, stream=seed % 2)
-                    tag = rng.randrange(1, 255)
-                    _fill(p, min(n, 4096), tag)
-                    live.append((p, n, tag))
-            for p, n, tag in live:
+        for _ in range(1500):
+            if live and rng.random() < 0.5:
+                p, n, tag = live.pop(rng.randrange(len(live)))
+                assert _check(p, min(n, 4096), tag), "corrupted"
                 pool.deallocate(p)
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(repr(e))
+            else:
+                n = rng.randrange(1, 3 * MiB)
+                p = pool.allocate(n, stream=seed % 2)
+                tag = rng.randrange(1, 255)
+                _fill(p, min(n, 4096), tag)
+                live.append((p, n, tag))
+        for p, n, tag in live:
+            pool.deallocate(p)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    errors = run_threads(work, n=6)
+    assert not errors, errors
     st = pool.statistics()
     assert st.used_bytes == 0 and st.current_count == 0 and st.bad_frees == 0
 

@@ -135,6 +135,7 @@ class VMMPool:
                  reserve: int | None = None, emulate: bool = False):
         self.device = check_device_index(device)
         self.emulated = bool(emulate)
+        self._retained = None  # the device whose primary context the pool holds
         if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int)
                                     or not 0 < reserve <= 1 << 48):
             raise ValueError(f"reserve must be a positive number of bytes up to 2**48, got {reserve!r}")
@@ -173,6 +174,7 @@ class VMMPool:
         _core.cuda_load()
         dev = _call(driver.cuDeviceGet, self.device)
         ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
+        self._retained = dev  # released by close()
         return int(ctx), info.total_memory
 
     def _limit_bytes(self, limit) -> int:
@@ -517,6 +519,11 @@ class VMMPool:
         self._closed = True
         with _pools_lock:
             _pools.pop(self._id, None)
+        dev, self._retained = self._retained, None
+        if dev is not None:
+            from cuda.bindings import driver
+
+            _call(driver.cuDevicePrimaryCtxRelease, dev)
 
 
 class GrowableBuffer(Resource):
