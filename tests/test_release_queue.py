@@ -18,7 +18,8 @@ def _fake_cupy(log):
         log.append(("enter", d))
         yield
 
-    runtime = types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)))
+    # no device is current, so every wait enters the device it waits for
+    runtime = types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)), getDevice=lambda: -1)
     return types.SimpleNamespace(cuda=types.SimpleNamespace(Device=device, runtime=runtime))
 
 

@@ -30,7 +30,7 @@ class ReleaseQueue:
     device (a non-blocking stream, a per-thread default stream): an event
     recorded on the stream of the thread that drops the view would not order
     it. So an array is released only by a device-wide wait begun after it was
-    deferred: the one every host export does anyway (:meth:`synchronized`),
+    deferred: the one every host export does anyway (:meth:`wait_for`),
     or the one :meth:`drain` does when too much is pending. One queue serves
     the process, so arrays dropped after ``disable()`` are released too.
     """
@@ -90,14 +90,25 @@ class ReleaseQueue:
                     del self._held[id(array)]
                     self._bytes -= held[1]
 
-    def drain(self) -> None:
-        """Wait for every device with pending arrays and release them all."""
+    def wait_for(self, device: int | None = None) -> None:
+        """Wait for all of ``device``'s work (the current device's if None),
+        then release what was deferred on it before the wait began."""
         cuda = self.cupy.cuda
-        for device in [d for d, q in self._pending.items() if q]:
-            mark = self.mark()
+        mark = self.mark()
+        current = cuda.runtime.getDevice()
+        if device is None:
+            device = current
+        if device == current:
+            cuda.runtime.deviceSynchronize()
+        else:
             with cuda.Device(device):
                 cuda.runtime.deviceSynchronize()
-            self.synchronized(device, mark)
+        self.synchronized(device, mark)
+
+    def drain(self) -> None:
+        """Wait for every device with pending arrays and release them all."""
+        for device in [d for d, q in self._pending.items() if q]:
+            self.wait_for(device)
 
 
 class Lease:

@@ -123,20 +123,10 @@ class CupyHook:
         """Wait for what a reader must not overtake: the device's work (or
         ``stream``'s with ``sync="stream"``); after a device-wide wait,
         release NumPy memory that CuPy views used on that device."""
-        cuda = self.cupy.cuda
         if stream is not None and self.options.sync == "stream":
             stream.synchronize()
             return
-        current = cuda.runtime.getDevice()
-        if device is None:
-            device = current
-        mark = self.release.mark()
-        if device == current:
-            cuda.runtime.deviceSynchronize()
-        else:
-            with cuda.Device(device):
-                cuda.runtime.deviceSynchronize()
-        self.release.synchronized(device, mark)
+        self.release.wait_for(device)
 
     # --- NumPy -> CuPy ------------------------------------------------------
     def wrap_host(self, a):
