@@ -2,11 +2,13 @@
  * module.c - makes the C core an importable extension (ump._ucore).
  *
  * The hooks are called through their addresses (numpy_allocator, ctypes), so
- * the module holds no functions: it exports what ump.h defines that Python
- * needs to call them - the kinds, providers, flags, limits and status codes,
- * and the fields and size of each statistics struct - so that ump/_core.py
- * builds its constants and ctypes mirrors from the header instead of copying
- * them.
+ * the module holds one function only, lookup(), which every hand-off between
+ * NumPy and CuPy calls: through ctypes, with three out-parameters, it would
+ * cost microseconds of a hand-off's budget. Otherwise it exports what ump.h
+ * defines that Python needs to call the core - the kinds, providers, flags,
+ * limits and status codes, and the fields and size of each statistics
+ * struct - so that ump/_core.py builds its constants and ctypes mirrors from
+ * the header instead of copying them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -96,6 +98,40 @@ static int add_kinds(PyObject *m)
     return rc;
 }
 
+/* lookup(ptr) -> (kind, base, size, owner), as ump_lookup() answers; a
+ * number that is no address (negative, or past 64 bits) is in no block. */
+static PyObject *lookup(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    PyObject *index = PyNumber_Index(arg);
+    if (!index)
+        return NULL;
+    unsigned long long p = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
+    if (p == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return NULL;
+        PyErr_Clear();
+        return Py_BuildValue("(iKKi)", UMP_KIND_NONE, 0ULL, 0ULL, -1);
+    }
+    uintptr_t base = 0;
+    uint64_t size = 0;
+    int owner = -1, kind;
+    /* The registry's locks are never held across a call that needs the GIL,
+     * but a pool's may be held across a device synchronisation: let other
+     * Python threads run meanwhile. */
+    Py_BEGIN_ALLOW_THREADS
+    kind = ump_lookup((uintptr_t)p, &base, &size, &owner);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(iKKi)", kind, (unsigned long long)base, (unsigned long long)size, owner);
+}
+
+static PyMethodDef methods[] = {
+    {"lookup", lookup, METH_O,
+     "lookup(ptr) -> (kind, base, size, owner): the live ump block holding ptr"},
+    {NULL, NULL, 0, NULL},
+};
+
 static int exec_module(PyObject *m)
 {
     for (size_t i = 0; i < COUNT(constants); i++)
@@ -115,6 +151,7 @@ static struct PyModuleDef module = {
     .m_name = "_ucore",
     .m_doc = "ump's C core: NEP 49 hooks, arenas and the pointer registry.",
     .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__ucore(void)

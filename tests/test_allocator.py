@@ -7,6 +7,7 @@ import os
 import random
 import sys
 
+import numpy as np
 import pytest
 
 from _threads import run_threads
@@ -50,6 +51,17 @@ def test_interior_pointers_resolve_to_their_block(arena):
     assert _core.lookup(q + 5 * MiB + 100)[:2] != ("host", q)  # past the block
     _core.free(p, 0)
     _core.free(q, 0)
+
+
+def test_lookup_of_what_is_no_address(arena):
+    p = _core.malloc(100)
+    assert _core.lookup(np.uintp(p))[:2] == ("host", p)  # any integer type
+    assert _core.lookup_owner(p)[3] == arena.id
+    for number in (-1, -p, 1 << 64, 1 << 200):
+        assert _core.lookup(number) == (None, 0, 0)
+    with pytest.raises(TypeError, match="integer"):
+        _core.lookup(float(p))
+    _core.free(p, 0)
 
 
 def test_calloc_zeroes_reused_memory(arena):

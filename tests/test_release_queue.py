@@ -43,15 +43,18 @@ def test_a_wait_on_one_device_releases_nothing_of_another():
     assert len(queue) == 1 and queue._pending[0]
 
 
-def test_too_many_bytes_drain_every_device_and_count_an_array_once():
+def test_bytes_only_the_queue_holds_drain_every_device():
     log = []
     queue = ReleaseQueue(_fake_cupy(log))
     queue.MAX_PENDING_BYTES = 1000
-    big = np.ones(100)  # 800 bytes
+    big, other = np.ones(100), np.ones(100)  # 800 bytes each
     for _ in range(5):
         queue.defer(big, 0)  # the same array, dropped again and again: held once
-    assert log == [] and len(queue) == 5 and queue._bytes == 800
-    queue.defer(np.ones(100), 1)  # 1600 distinct bytes: wait for both devices
+    queue.defer(other, 1)
+    # The program still holds both: a drain would free nothing.
+    assert log == [] and len(queue) == 6 and queue._bytes == 1600
+    del big, other  # now only the queue holds 1600 bytes
+    queue.defer(np.ones(1), 0)
     assert log == [("enter", 0), ("sync",), ("enter", 1), ("sync",)]
     assert len(queue) == 0 and queue._bytes == 0 and not queue._held
 

@@ -86,7 +86,6 @@ _arena_free = _sig("ump_arena_free", _int, _vp)
 _arena_trim = _sig("ump_arena_trim", _int, _int)
 _arena_stats = _sig("ump_arena_stats", _int, _int, ctypes.POINTER(_CStats))
 _fallback_stats = _sig("ump_fallback_stats", _int, ctypes.POINTER(_CStats))
-_lookup = _sig("ump_lookup", _int, _uptr, ctypes.POINTER(_uptr), ctypes.POINTER(_u64), ctypes.POINTER(_int))
 foreign_frees = _sig("ump_foreign_frees", _u64)
 _cuda_load = _sig("ump_cuda_load", _int, ctypes.c_char_p)
 _cuda_set_context = _sig("ump_cuda_set_context", _int, _uptr, _int)
@@ -253,18 +252,15 @@ class Arena:
 
 def lookup(ptr: int) -> tuple[str | None, int, int]:
     """(kind, base, size) of the live ump block holding ``ptr``."""
-    kind, base, size, _ = lookup_owner(ptr)
-    return kind, base, size
+    kind, base, size, _ = _ucore.lookup(ptr)
+    return KINDS.get(kind), base, size
 
 
 def lookup_owner(ptr: int) -> tuple[str | None, int, int, int]:
     """(kind, base, size, owner) of the live ump block holding ``ptr``; the
     owner is an arena id, or ``MAX_ARENAS + pool id`` for a VMM pool."""
-    if not 0 <= ptr < 1 << 64:
-        return None, 0, 0, -1
-    base, size, arena = _uptr(), _u64(), _int()
-    kind = _lookup(ptr, ctypes.byref(base), ctypes.byref(size), ctypes.byref(arena))
-    return KINDS.get(kind), base.value, size.value, arena.value
+    kind, base, size, owner = _ucore.lookup(ptr)
+    return KINDS.get(kind), base, size, owner
 
 
 def cuda_load() -> None:

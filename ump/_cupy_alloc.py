@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import sys
 import threading
 
 from . import _core
@@ -36,8 +37,9 @@ class ReleaseQueue:
     """
 
     MAX_PENDING = 4096
-    #: Bytes of distinct arrays held before a drain; a view dropped again and
-    #: again (a loop over one array) holds its array once.
+    #: Bytes of arrays that only the queue still holds before a drain: an
+    #: array the program holds too costs no memory here (a loop handing one
+    #: array to CuPy again and again drains once per MAX_PENDING views).
     MAX_PENDING_BYTES = 256 << 20
 
     _shared: dict = {}
@@ -52,7 +54,7 @@ class ReleaseQueue:
     def __init__(self, cupy):
         self.cupy = cupy
         self._pending: dict[int, collections.deque] = {}  # device -> (sequence, array)
-        self._held: dict[int, list] = {}  # id(array) -> [entries pending, bytes]
+        self._held: dict[int, list] = {}  # id(array) -> [entries pending, array]
         self._count = 0
         self._bytes = 0
         self._lock = threading.Lock()
@@ -65,13 +67,24 @@ class ReleaseQueue:
             self._count += 1
             held = self._held.get(id(array))
             if held is None:
-                held = self._held[id(array)] = [0, array.nbytes]
+                held = self._held[id(array)] = [0, array]
                 self._bytes += array.nbytes
             held[0] += 1
             self._pending.setdefault(device, collections.deque()).append((self._count, array))
-            full = len(self) > self.MAX_PENDING or self._bytes > self.MAX_PENDING_BYTES
+            full = len(self) > self.MAX_PENDING or (
+                self._bytes > self.MAX_PENDING_BYTES and self._only_held_bytes() > self.MAX_PENDING_BYTES)
         if full:
             self.drain()
+
+    def _only_held_bytes(self) -> int:
+        """Bytes of the arrays nothing but the queue refers to (under the lock)."""
+        total = 0
+        for entries, array in self._held.values():
+            # References: one per pending entry, the _held entry, `array`
+            # here and getrefcount's argument.
+            if sys.getrefcount(array) <= entries + 3:
+                total += array.nbytes
+        return total
 
     def mark(self) -> int:
         """Call before a device-wide wait; pass the result to :meth:`synchronized`."""
@@ -88,7 +101,7 @@ class ReleaseQueue:
                 held[0] -= 1
                 if not held[0]:
                     del self._held[id(array)]
-                    self._bytes -= held[1]
+                    self._bytes -= array.nbytes
 
     def wait_for(self, device: int | None = None) -> None:
         """Wait for all of ``device``'s work (the current device's if None),
