@@ -6,6 +6,7 @@ TESTS_DIR is the tests/ folder of a CuPy checkout, with CuPy's pyproject.toml
 beside it (its pytest settings: strict markers, warning filters).
     UMP_SUITE_RUNS=stock python tools/cupy_suite.py ...   # one side only
     UMP_SUITE_BACKEND=device python tools/cupy_suite.py ...   # ump with another backend
+    UMP_SUITE_TIMEOUT=240 python tools/cupy_suite.py ...  # interrupt each side after 240 s
     python tools/cupy_suite.py --compare STOCK.xml UMP.xml
 
 The "stock" run is CuPy as shipped (CUPY_ENABLE_UMP unset: its own UMP path
@@ -22,6 +23,7 @@ from __future__ import annotations
 import gzip
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -39,10 +41,23 @@ def outcomes(xml_path: pathlib.Path) -> dict[str, str]:
     return result
 
 
+def _counts(run: dict) -> str:
+    return " / ".join(str(sum(1 for v in run.values() if v == k)) for k in ("passed", "failed", "skipped"))
+
+
+def _directory(name: str) -> str:
+    # classname: [tests.]cupy_tests.math_tests.test_sumprod.TestSumprod
+    parts = name.split("::")[0].split(".")
+    rest = parts[parts.index("cupy_tests") + 1:] if "cupy_tests" in parts else parts
+    return rest[0] if rest and rest[0].endswith("_tests") else "cupy_tests (top level)"
+
+
 def report(stock: dict, ump: dict) -> None:
-    for label, run in (("stock", stock), ("ump", ump)):
-        counts = {k: sum(1 for v in run.values() if v == k) for k in ("passed", "failed", "skipped")}
-        print(f"{label}: {counts}")
+    print("directory: stock passed / failed / skipped | ump passed / failed / skipped")
+    for directory in sorted({_directory(n) for n in stock.keys() | ump.keys()}):
+        pick = lambda run: {n: v for n, v in run.items() if _directory(n) == directory}
+        print(f"  {directory}: {_counts(pick(stock))} | {_counts(pick(ump))}")
+    print(f"all: {_counts(stock)} | {_counts(ump)}")
     diffs = sorted(n for n in stock.keys() | ump.keys() if stock.get(n) != ump.get(n))
     print(f"{len(diffs)} tests differ:")
     for name in diffs:
@@ -62,6 +77,7 @@ def main(argv):
     runs = {}
     backend = os.environ.get("UMP_SUITE_BACKEND", "auto")
     cap = os.environ.get("UMP_CUPY_SUITE_CAP", "4G")
+    limit = float(os.environ.get("UMP_SUITE_TIMEOUT", "0")) or None  # seconds per side
     ump_args = ["-p", "ump.pytest_plugin", f"--ump={backend}", f"--ump-cap={cap}"]
     for label, extra_env, plugin in (("stock", {}, []), ("ump", {"CUPY_ENABLE_UMP": "1"}, ump_args)):
         if label not in wanted:
@@ -71,11 +87,22 @@ def main(argv):
         name = label if label == "stock" or backend == "auto" else f"{label}-{backend}"
         xml = out / f"cupy-suite-{name}.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, f"--junitxml={xml}", *args]
-        proc = subprocess.run(cmd, cwd=tests, env=env, capture_output=True, text=True)
-        (out / f"cupy-suite-{name}.log").write_text(proc.stdout[-200_000:] + proc.stderr[-50_000:])
+        log = out / f"cupy-suite-{name}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=tests, env=env, stdout=f, stderr=subprocess.STDOUT)
+            try:
+                proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                # pytest writes the JUnit XML of what ran when interrupted
+                print(f"{name}: interrupted after {limit:.0f} s", flush=True)
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         runs[label] = outcomes(xml)
-        counts = {k: sum(1 for v in runs[label].values() if v == k) for k in ("passed", "failed", "skipped")}
-        print(f"{name}: {counts}", flush=True)
+        print(f"{name}: {_counts(runs[label])} (passed / failed / skipped)", flush=True)
     if len(runs) == 2:
         report(runs["stock"], runs["ump"])
 
