@@ -5,6 +5,7 @@ Run with CUPY_ENABLE_UMP=1 on a CUDA machine; skipped elsewhere.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import subprocess
 import sys
@@ -345,6 +346,7 @@ def test_provider_failures_with_cupy(gpu_backend):
 # Tests in the same process may have imported PyTorch or JAX, whose threads
 # make Python >= 3.12 warn at fork(); the fork here is the point.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's at-fork warning
 def test_fork_after_gpu_enable(gpu_backend, record_property):
     name, cupy = gpu_backend
     a = np.arange(1 << 16, dtype=np.int64)
@@ -367,6 +369,7 @@ def test_fork_after_gpu_enable(gpu_backend, record_property):
 # Tests in the same process may have imported PyTorch or JAX, whose threads
 # make Python >= 3.12 warn at fork(); the fork here is the point.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's at-fork warning
 def test_fork_child_reading_inherited_unified_memory(gpu_backend, record_property):
     """Whether the driver maps inherited unified memory in a child: reported,
     since it is the driver's choice; the parent is unaffected either way."""
@@ -374,6 +377,7 @@ def test_fork_child_reading_inherited_unified_memory(gpu_backend, record_propert
     a = np.arange(1 << 16, dtype=np.int64)
     pid = os.fork()
     if pid == 0:
+        faulthandler.disable()  # a fault here is an answer, not a crash to report
         os._exit(0 if int(a.sum()) == (1 << 16) * ((1 << 16) - 1) // 2 else 1)
     _, status = os.waitpid(pid, 0)
     readable = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
