@@ -53,6 +53,7 @@ static const struct constant kinds[] = {
 #define FIELD_NAME(name) #name,
 static const char *const stats_fields[] = {UMP_STATS_FIELDS(FIELD_NAME)};
 static const char *const vmm_stats_fields[] = {UMP_VMM_STATS_FIELDS(FIELD_NAME)};
+static const char *const vmm_view_times_fields[] = {UMP_VMM_VIEW_TIMES_FIELDS(FIELD_NAME)};
 
 #define COUNT(array) (sizeof(array) / sizeof((array)[0]))
 
@@ -142,8 +143,11 @@ static int exec_module(PyObject *m)
     if (add_struct(m, "STATS_FIELDS", "STATS_SIZE", stats_fields, COUNT(stats_fields),
                    sizeof(ump_stats_t)) < 0)
         return -1;
-    return add_struct(m, "VMM_STATS_FIELDS", "VMM_STATS_SIZE", vmm_stats_fields,
-                      COUNT(vmm_stats_fields), sizeof(ump_vmm_stats_t));
+    if (add_struct(m, "VMM_STATS_FIELDS", "VMM_STATS_SIZE", vmm_stats_fields,
+                   COUNT(vmm_stats_fields), sizeof(ump_vmm_stats_t)) < 0)
+        return -1;
+    return add_struct(m, "VMM_VIEW_TIMES_FIELDS", "VMM_VIEW_TIMES_SIZE", vmm_view_times_fields,
+                      COUNT(vmm_view_times_fields), sizeof(ump_vmm_view_times_t));
 }
 
 static struct PyModuleDef module = {

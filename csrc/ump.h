@@ -21,7 +21,7 @@ extern "C" {
  * hand; bump it when one changes. Constants and struct layouts need no
  * version: the extension module exports them (module.c) and the Python layer
  * builds its mirrors from what it exports. */
-#define UMP_ABI_VERSION 4
+#define UMP_ABI_VERSION 5
 
 /* CuPy's kernels and memory pool work in 512-byte units, so every block is
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
@@ -129,6 +129,17 @@ int ump_fallback_stats(ump_stats_t *out);
 
 typedef struct { UMP_VMM_STATS_FIELDS(UMP_U64_FIELD) } ump_vmm_stats_t;
 
+/* How long each step of making a view took (ump_vmm_view_times), in
+ * nanoseconds summed over the step's calls: what importing, mapping and
+ * granting access to shared memory cost, apart. */
+#define UMP_VMM_VIEW_TIMES_FIELDS(X)                                              \
+    X(reserve_ns)  /* its address range (cuMemAddressReserve) */                  \
+    X(physical_ns) /* cuMemCreate; imported: cuMemImportFromShareableHandle */    \
+    X(map_ns)      /* cuMemMap, every mapping */                                  \
+    X(access_ns)   /* cuMemSetAccess */
+
+typedef struct { UMP_VMM_VIEW_TIMES_FIELDS(UMP_U64_FIELD) } ump_vmm_view_times_t;
+
 /* provider: UMP_PROVIDER_DEVICE, or UMP_PROVIDER_HOST for the same pool on an
  * emulated physical layer (memfd) that runs without a GPU. ctx: the device's
  * primary context. limit 0: none. Returns a pool id or -1. */
@@ -157,6 +168,7 @@ int ump_vmm_alias_create(int pool, uintptr_t ptr, uint64_t bytes, uintptr_t *ali
 int ump_vmm_ring_create(int pool, uint64_t bytes);     /* bytes mapped twice, back to back */
 int ump_vmm_striped_create(int pool, uint64_t bytes, const int *devices, int ndevices);
 int ump_vmm_view_info(int pool, int view, uintptr_t *ptr, uint64_t *size);
+int ump_vmm_view_times(int pool, int view, ump_vmm_view_times_t *out);
 int ump_vmm_view_destroy(int pool, int view);
 
 /* --- registry ------------------------------------------------------------ */

@@ -52,6 +52,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define NBINS 128      /* 4 bins per power of two of 512-byte units */
@@ -96,6 +97,7 @@ typedef struct {
     uint64_t size;     /* buffers: bytes in use; views: bytes mapped */
     int live;
     int kind;          /* REGION_* */
+    ump_vmm_view_times_t times; /* views: how long making it took */
 } region_t;
 
 typedef struct {
@@ -125,6 +127,13 @@ static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER; /* before any poo
 static int n_pools_used;
 
 static int fail(int status) { return ump__set_status(status); }
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
 
 /* --- the physical layer: CUDA, or memfd + mmap emulating it --------------- */
 
@@ -1464,12 +1473,15 @@ static int view_begin(pool_t *p, int kind, uint64_t ngran, int *v, int *pushed)
     if (status == UMP_OK && p->provider != UMP_PROVIDER_HOST && !ump__cu.share &&
         (kind == REGION_SHARED || kind == REGION_IMPORTED))
         status = UMP_ERR_UNSUPPORTED;
+    uint64_t t0 = now_ns();
     if (status == UMP_OK)
         status = region_open(p, kind, ngran, v);
-    if (status == UMP_OK)
+    if (status == UMP_OK) {
         p->st.views++;
-    else
+        p->bufs[*v].times = (ump_vmm_view_times_t){.reserve_ns = now_ns() - t0};
+    } else {
         *v = -1;
+    }
     return status;
 }
 
@@ -1478,8 +1490,10 @@ static int view_end(pool_t *p, int v, int status, int pushed)
 {
     if (status == UMP_OK) {
         region_t *r = &p->bufs[v];
+        uint64_t t0 = now_ns();
         status = ump__injected_failure() ? UMP_ERR_INJECTED
                                          : ph_access(p, r->va, r->ngran * p->gran);
+        r->times.access_ns += now_ns() - t0;
         if (status == UMP_OK)
             r->size = r->ngran * p->gran;
     }
@@ -1502,9 +1516,11 @@ static int view_handle(pool_t *p, int v, uint64_t ngran, int device, int exporta
         release_cached(p, 0);
     if (limit && p->st.physical_bytes + bytes > limit)
         return UMP_ERR_CAP;
+    uint64_t t0 = now_ns();
     int status = ph_create(p, bytes, device, exportable, &h);
     if ((status == CUDA_ERROR_OUT_OF_MEMORY || status == UMP_ERR_NOMEM) && release_cached(p, 0))
         status = ph_create(p, bytes, device, exportable, &h);
+    p->bufs[v].times.physical_ns += now_ns() - t0;
     if (status != UMP_OK)
         return status;
     *out = handle_new(p, h, ngran, device, v + 1, 0);
@@ -1520,7 +1536,9 @@ static int view_map(pool_t *p, int v, uint64_t g, int64_t i)
 {
     region_t *r = &p->bufs[v];
     handle_t *e = &p->hs[i];
+    uint64_t t0 = now_ns();
     int status = ph_map(p, r->va + g * p->gran, e->ngran * p->gran, e->h);
+    r->times.map_ns += now_ns() - t0;
     if (status != UMP_OK)
         return status;
     for (uint64_t k = 0; k < e->ngran; k++)
@@ -1578,8 +1596,11 @@ int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
     int64_t i = -1;
     uint64_t h;
     int status = view_begin(p, REGION_IMPORTED, bytes / p->gran, &v, &pushed);
-    if (status == UMP_OK)
+    if (status == UMP_OK) {
+        uint64_t t0 = now_ns();
         status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_import(p, fd, bytes, &h, &device);
+        p->bufs[v].times.physical_ns = now_ns() - t0;
+    }
     if (status == UMP_OK) {
         i = handle_new(p, h, bytes / p->gran, device, v + 1, 1);
         if (i < 0) {
@@ -1696,6 +1717,19 @@ int ump_vmm_view_info(int id, int view, uintptr_t *ptr, uint64_t *size)
         *ptr = r->va;
         *size = r->size;
     }
+    pthread_mutex_unlock(&p->lock);
+    return r ? UMP_OK : fail(UMP_ERR_ARG);
+}
+
+int ump_vmm_view_times(int id, int view, ump_vmm_view_times_t *out)
+{
+    pool_t *p = pool_get(id);
+    if (!p || !out)
+        return fail(UMP_ERR_ARG);
+    pthread_mutex_lock(&p->lock);
+    region_t *r = view_get(p, view);
+    if (r)
+        *out = r->times;
     pthread_mutex_unlock(&p->lock);
     return r ? UMP_OK : fail(UMP_ERR_ARG);
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
 import subprocess
 import sys
@@ -11,6 +12,10 @@ import sys
 import pytest
 
 from ump import bench
+from ump._vmm import VMMPool
+from ump.bench import cases
+
+MiB = 1 << 20
 
 
 def _bench(tmp_path, *args):
@@ -112,6 +117,8 @@ def test_suite_or_configuration_the_machine_cannot_run(tmp_path, caps):
         pytest.skip("this machine runs the GPU suites and backends")
     line = _usage_error(_bench(tmp_path, "--suites", "interop"))
     assert "suite 'interop' cannot run on this machine" in line and "it runs alloc_numpy" in line
+    line = _usage_error(_bench(tmp_path, "--suites", "vmm"))
+    assert "suite 'vmm' cannot run on this machine" in line
     line = _usage_error(_bench(tmp_path, "--configs", "managed:host"))
     assert "configuration 'managed:host' cannot run on this machine" in line
 
@@ -161,3 +168,59 @@ def test_plot_without_matplotlib_is_reported(tmp_path, monkeypatch, capsys):
     assert bench.main(args) == 0
     assert f"plot not written ({plot}): matplotlib is not installed" in capsys.readouterr().err
     assert not plot.exists()
+
+
+# --- the vmm suite ------------------------------------------------------------------
+
+def test_vmm_is_a_gpu_suite_run_once_per_run():
+    assert "vmm" in bench.GPU_SUITES and "vmm" not in bench.CPU_SUITES
+    assert "vmm" in cases.CONFIG_FREE  # it builds its own pools: the "stock" process alone runs it
+
+
+def test_striped_cases_need_two_gpus_that_reach_each_other():
+    assert cases._striped_why_not(1, lambda a, b: 1) == "needs two GPUs, this machine has 1"
+    assert cases._striped_why_not(0, lambda a, b: 1) == "needs two GPUs, this machine has 0"
+    one_way = cases._striped_why_not(2, lambda a, b: int(a == 0))
+    assert one_way and "cannot access each other's memory" in one_way
+    assert cases._striped_why_not(2, lambda a, b: 1) is None
+
+
+def test_a_case_the_machine_cannot_run_is_reported_with_its_reason(monkeypatch):
+    """A worker returns such a case as {"skipped": reason} (the striped cases
+    on one GPU): the run says so once on stderr, keeps it in the report, and
+    does not count it as a result."""
+    case, why = cases.STRIPED_CASES[0], "needs two GPUs, this machine has 1"
+    worker_out = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 2.0], "gpu": []},
+                  case: {"suite": "vmm", "skipped": why}}
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, stdout=json.dumps(worker_out), stderr=""))
+    err = io.StringIO()
+    report = bench.run(suites=["alloc_numpy"], configs=["stock"], rounds=2, progress=err)
+    assert report["skipped"] == {case: why}
+    assert case not in report["results"] and report["results"]["np.empty 64B"]["stock"]["cpu"]["n"] == 4
+    assert [line for line in err.getvalue().splitlines() if "skipped" in line] == [
+        f"case skipped ({case}): {why}"]
+    assert case not in bench.table(report)
+
+
+def test_share_case_times_export_and_import_between_two_processes():
+    """The share case on the emulated pool (memfds): a spawned process imports
+    each export; every step is timed, per GiB, and the importer read the marks
+    written at both ends of each allocation (else _share raises)."""
+    pool = VMMPool(emulate=True, reserve=1 << 30)
+    try:
+        out = cases._share(pool, [2 * MiB, 4 * MiB], repeat=2)
+        st = pool.statistics()
+    finally:
+        pool.close()
+    assert st.exports == 1 + 2 * 2  # a first, untimed pass, then two per size
+    assert (st.views, st.shared_bytes, st.physical_bytes) == (0, 0, 0)  # each allocation closed
+    steps = ("export", "import", "reserve + map + set access", "ump.import_handle() in all")
+    assert sorted(out) == sorted(f"VMM share {mib}MiB, µs per GiB: {step}" for mib in (2, 4) for step in steps)
+    for mib in (2, 4):
+        t = {step: out[f"VMM share {mib}MiB, µs per GiB: {step}"] for step in steps}
+        assert all(len(e["cpu"]) == 2 and min(e["cpu"]) > 0 and e["gpu"] == [] for e in t.values())
+        # the import and the mapping are timed inside the call, so neither exceeds it
+        for part in ("import", "reserve + map + set access"):
+            assert all(call >= p for call, p in zip(t["ump.import_handle() in all"]["cpu"], t[part]["cpu"]))
+        assert set(t["reserve + map + set access"]["metrics"]) == {"reserve", "map", "set access"}

@@ -13,6 +13,7 @@ from ump import OutOfMemoryError, UmpError, _core, _ucore, _vmm
 STRUCTS = [
     (_core._CStats, _ucore.STATS_FIELDS, _ucore.STATS_SIZE, _core.Statistics),
     (_core._CVmmStats, _ucore.VMM_STATS_FIELDS, _ucore.VMM_STATS_SIZE, _vmm.VMMStatistics),
+    (_core._CViewTimes, _ucore.VMM_VIEW_TIMES_FIELDS, _ucore.VMM_VIEW_TIMES_SIZE, _vmm.ViewTimes),
 ]
 ERRORS = sorted(name for name in dir(_ucore) if name.startswith("UMP_ERR_"))
 

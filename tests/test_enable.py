@@ -183,9 +183,9 @@ def test_public_api_is_pinned():
     assert sorted(ump.__all__) == sorted([
         "__version__", "BackendUnavailableError", "Capabilities", "DeviceInfo", "ExportHandle",
         "GrowableBuffer", "MappedMemory", "Options", "OutOfMemoryError", "Statistics", "UmpError",
-        "UmpWarning", "VMMPool", "VMMStatistics", "advise", "asarray", "asnumpy", "backend", "disable",
-        "enable", "enabled", "import_handle", "is_enabled", "kind_of", "migrate", "prefetch", "probe",
-        "statistics", "synchronize", "trim"])
+        "UmpWarning", "VMMPool", "VMMStatistics", "ViewTimes", "advise", "asarray", "asnumpy", "backend",
+        "disable", "enable", "enabled", "import_handle", "is_enabled", "kind_of", "migrate", "prefetch",
+        "probe", "statistics", "synchronize", "trim"])
     from ump import share
 
     assert sorted(share.__all__) == ["Connection", "ExportHandle", "Listener", "connect",

@@ -103,6 +103,8 @@ def test_the_exporter_exits_first(cupy, pool):
             conn._sock.send(b"k")
         proc.join(CHILD_TIMEOUT)
     assert proc.exitcode == 0
+    t = mem.setup_times  # each driver call of the import was timed
+    assert min(t.reserve_ns, t.physical_ns, t.map_ns, t.access_ns) > 0
     a = mem.array((MiB,), "int32")
     np.testing.assert_array_equal(cupy.asnumpy(a), np.arange(MiB, dtype=np.int32))
     a += 1  # still writable by a kernel after the exporter is gone

@@ -220,6 +220,22 @@ def test_shared_memory_counts_against_the_limit_and_is_never_trimmed(pool):
     assert pool.statistics().physical_bytes == 0
 
 
+def test_views_record_how_long_each_step_took(pool):
+    mem = pool.allocate_shared(2 * GRAN)
+    with mem.export() as handle, pool.import_handle(handle) as imported:
+        t = imported.setup_times
+        assert isinstance(t, ump.ViewTimes)
+        # reserved, imported (the memfd checked and duplicated) and mapped
+        assert t.reserve_ns > 0 and t.physical_ns > 0 and t.map_ns > 0
+    assert mem.setup_times.physical_ns > 0  # created
+    blk = pool.allocate(GRAN)
+    with pool.alias(blk, GRAN) as alias:
+        assert alias.setup_times.physical_ns == 0  # an alias creates no memory, it maps the block's
+        assert alias.setup_times.map_ns > 0
+    pool.deallocate(blk)
+    mem.close()
+
+
 # --- the sockets handles travel over ----------------------------------------------
 
 def test_the_socket_is_private():

@@ -13,7 +13,7 @@ from ._errors import BackendUnavailableError, OutOfMemoryError, UmpError, UmpWar
 from ._probe import Capabilities, DeviceInfo, probe
 from ._enable import Options, disable, enable, enabled, is_enabled
 from ._api import advise, asarray, asnumpy, kind_of, migrate, prefetch, statistics, synchronize, trim
-from ._vmm import GrowableBuffer, MappedMemory, VMMPool, VMMStatistics
+from ._vmm import GrowableBuffer, MappedMemory, VMMPool, VMMStatistics, ViewTimes
 from ._share import ExportHandle, import_handle
 
 
@@ -40,6 +40,7 @@ __all__ = [
     "UmpWarning",
     "VMMPool",
     "VMMStatistics",
+    "ViewTimes",
     "advise",
     "asarray",
     "asnumpy",

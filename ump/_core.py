@@ -14,7 +14,7 @@ from ._errors import OutOfMemoryError, UmpError
 
 # The version of the functions' signatures declared below (UMP_ABI_VERSION in
 # csrc/ump.h). Constants and struct layouts are read from the extension.
-ABI_VERSION = 4
+ABI_VERSION = 5
 if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
     raise ImportError(
         f"ump's C extension has ABI {_ucore.ABI_VERSION}, the Python layer expects "
@@ -100,6 +100,8 @@ is_forked_child = _sig("ump_is_forked_child", _int)
 
 _CVmmStats = _u64_struct("_CVmmStats", "ump_vmm_stats_t", _ucore.VMM_STATS_FIELDS,
                          _ucore.VMM_STATS_SIZE)
+_CViewTimes = _u64_struct("_CViewTimes", "ump_vmm_view_times_t", _ucore.VMM_VIEW_TIMES_FIELDS,
+                          _ucore.VMM_VIEW_TIMES_SIZE)
 
 
 vmm_create = _sig("ump_vmm_create", _int, _int, _int, _uptr, _u64, _u64)
@@ -125,6 +127,7 @@ vmm_alias_create = _sig("ump_vmm_alias_create", _int, _int, _uptr, _u64, ctypes.
 vmm_ring_create = _sig("ump_vmm_ring_create", _int, _int, _u64)
 vmm_striped_create = _sig("ump_vmm_striped_create", _int, _int, _u64, ctypes.POINTER(_int), _int)
 vmm_view_info = _sig("ump_vmm_view_info", _int, _int, _int, ctypes.POINTER(_uptr), ctypes.POINTER(_u64))
+vmm_view_times = _sig("ump_vmm_view_times", _int, _int, _int, ctypes.POINTER(_CViewTimes))
 vmm_view_destroy = _sig("ump_vmm_view_destroy", _int, _int, _int)
 
 

@@ -24,7 +24,7 @@ from ._errors import OutOfMemoryError, UmpError
 from ._resource import Resource
 from ._probe import _call, check_budget, check_device_index, device_info, probe
 
-__all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "MappedMemory", "pool_of"]
+__all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "MappedMemory", "ViewTimes", "pool_of"]
 
 _pools: dict[int, "VMMPool"] = {}
 _pools_lock = threading.Lock()
@@ -80,6 +80,27 @@ class VMMStatistics:
     imported_bytes: int
     views: int
     exports: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewTimes:
+    """How long making a :class:`MappedMemory` took, step by step, in
+    nanoseconds of the process's monotonic clock (each step summed over its
+    calls).
+
+    ``reserve_ns``: its address range (``cuMemAddressReserve``);
+    ``physical_ns``: its physical memory (``cuMemCreate``; for imported
+    memory ``cuMemImportFromShareableHandle``, none for an alias);
+    ``map_ns``: the mappings (``cuMemMap``, twice for a ring, once per
+    granule for striped memory); ``access_ns``: granting the pool's devices
+    access (``cuMemSetAccess``). On an emulated pool the same steps are
+    ``mmap`` and ``memfd`` calls.
+    """
+
+    reserve_ns: int
+    physical_ns: int
+    map_ns: int
+    access_ns: int
 
 
 def _cupy():
@@ -381,8 +402,11 @@ class VMMPool:
                                "(no cuMemExportToShareableHandle)", name)
             raise UmpError(what, name)
         base, mapped = _core.vmm_view(self.id, view)
+        times = _core._CViewTimes()
+        _core.check(_core.vmm_view_times(self.id, view, ctypes.byref(times)), "reading a view's set-up times")
         return MappedMemory(self, view, kind, base if ptr is None else ptr, size,
-                            size if nbytes is None else nbytes, mapped)
+                            size if nbytes is None else nbytes, mapped,
+                            ViewTimes(**{name: getattr(times, name) for name, _ in times._fields_}))
 
     def allocate_shared(self, size: int) -> "MappedMemory":
         """Memory other processes can map: :meth:`MappedMemory.export` gives
@@ -626,6 +650,10 @@ class MappedMemory(Resource):
         The bytes addressable from ``ptr``: ``size``, or ``2 * size`` for a ring.
     kind : str
         ``"shared"``, ``"imported"``, ``"alias"``, ``"ring"`` or ``"striped"``.
+    setup_times : ViewTimes
+        How long each driver step of making it took: for imported memory,
+        the import of the handle apart from reserving, mapping and granting
+        access.
 
     Notes
     -----
@@ -638,7 +666,7 @@ class MappedMemory(Resource):
     """
 
     def __init__(self, pool: VMMPool, view: int, kind: str, ptr: int, size: int, nbytes: int,
-                 mapped: int):
+                 mapped: int, setup_times: ViewTimes):
         self.pool = pool
         self._view = view
         self.kind = kind
@@ -646,6 +674,7 @@ class MappedMemory(Resource):
         self.size = size
         self.nbytes = nbytes
         self.mapped_bytes = mapped
+        self.setup_times = setup_times
         self._leases: weakref.WeakSet = weakref.WeakSet()
         self._events = []  # IPC events recorded by export(stream=...), alive until close
 

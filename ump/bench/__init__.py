@@ -72,7 +72,9 @@ def _check_names(kind: str, names, known, runnable, why_not) -> None:
 def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
     (stock, imported, backend, stock, ...), so that slow drift of the machine
-    spreads over all configurations; repeats of all rounds are pooled.
+    spreads over all configurations; repeats of all rounds are pooled. A
+    case this machine cannot run (a worker returns ``{"skipped": reason}``)
+    is said on ``progress`` and listed with its reason under ``"skipped"``.
 
     Raises
     ------
@@ -103,7 +105,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
         if missing is not None:
             print(f"GPU suites skipped ({', '.join(GPU_SUITES)}): {missing}", file=progress, flush=True)
     configs = configs or configurations(caps, smoke)
-    raw = {}
+    raw, skipped = {}, {}
     t_start = time.perf_counter()
     steps = [(r, c) for r in range(rounds) for c in configs]
     for i, (r, config) in enumerate(steps, 1):
@@ -114,6 +116,11 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark configuration {config!r} failed:\n{proc.stderr[-4000:]}")
         for case, timing in json.loads(proc.stdout).items():
+            if "skipped" in timing:  # a case this machine cannot run, and why
+                if case not in skipped:
+                    print(f"case skipped ({case}): {timing['skipped']}", file=progress, flush=True)
+                skipped[case] = timing["skipped"]
+                continue
             entry = raw.setdefault(case, {"suite": timing["suite"]}).setdefault(
                 config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": [],
                          "metrics": {}})
@@ -130,7 +137,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
         for config, e in per.items():
             results[case][config] = {"cpu": _summary(e["cpu_times"]), "gpu": _summary(e["gpu_times"]), **e}
     return {"probe": dataclasses.asdict(caps), "configs": configs, "smoke": smoke, "rounds": rounds,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped}
 
 
 def overhead(report, cases=("add 100x100", "divide 100x100", "divmod 100x100")) -> list[str]:

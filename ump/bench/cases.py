@@ -8,6 +8,8 @@ perf_counter around each repeat.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 
 import numpy as np
@@ -276,8 +278,301 @@ def pools(smoke):
     return out
 
 
+# --- vmm: memory shared the ways the VMM API allows ----------------------------
+# Between processes (export, import, map), at two addresses (a ring read
+# across its wrap), over two GPUs (striped). Configuration-free, as pools.
+# A case that cannot run here is returned as {"skipped": reason}.
+
+GiB = 1 << 30
+
+
+def _spare(cupy, device) -> int:
+    """Bytes a case may take on `device`: its free memory less a headroom
+    (the importing process's CUDA context, CuPy's own arrays)."""
+    with cupy.cuda.Device(device):
+        free, total = cupy.cuda.runtime.memGetInfo()
+    return free - max(2 * GiB, total // 10)
+
+
+def _answer(results, proc, timeout):
+    if not results.poll(timeout):
+        raise RuntimeError(f"the importing process did not answer within {timeout} s")
+    try:
+        return results.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"the importing process exited (status {proc.exitcode})") from None
+
+
+def _share_importer(address, results):
+    """The second process of the share case: imports each handle it is sent
+    (through ump.share's socket), checks the marks the exporter wrote at both
+    ends, and sends back how long each step took."""
+    import ump.share
+
+    with ump.share.connect(address) as conn:
+        results.send("ready")
+        count = 0
+        while True:
+            try:
+                handle = conn.recv()
+            except EOFError:  # the exporter is done
+                return
+            mark = count % 255 + 1
+            count += 1
+            t0 = time.perf_counter()
+            mem = ump.import_handle(handle)
+            call = time.perf_counter() - t0
+            handle.close()
+            a = mem.array((handle.size,), "uint8")
+            ok = int(a[0]) == mark and int(a[-1]) == mark
+            del a
+            mem.close()
+            results.send({"call": call, "ok": ok, **dataclasses.asdict(mem.setup_times)})
+
+
+def _share(pool, sizes, repeat, timeout=120):
+    """Export `repeat` new allocations of each size from `pool` to a second,
+    spawned process that imports them: microseconds per GiB of the export,
+    the import of the handle, reserve + map + set access (the importer's
+    ViewTimes), and the whole ump.import_handle() call. Runs on an emulated
+    pool too (memfds), where the same steps are OS calls."""
+    import multiprocessing
+
+    import ump.share
+
+    ctx = multiprocessing.get_context("spawn")
+    results, there = ctx.Pipe()
+    out, count = {}, 0
+    # One pass before the timed ones: the importer's first import also
+    # creates its CUDA context and its pool.
+    passes = [(sizes[0], 1, False)] + [(size, repeat, True) for size in sizes]
+    with ump.share.listen() as listener:
+        proc = ctx.Process(target=_share_importer, args=(listener.address, there), daemon=True)
+        proc.start()
+        there.close()
+        try:
+            if _answer(results, proc, timeout) != "ready":
+                raise RuntimeError("the importing process did not connect")
+            with listener.accept() as conn:
+                for size, n, timed in passes:
+                    steps = {"export": [], "physical_ns": [], "view_ns": [], "reserve_ns": [],
+                             "map_ns": [], "access_ns": [], "call": []}
+                    for _ in range(n):
+                        mark = count % 255 + 1
+                        count += 1
+                        with pool.allocate_shared(size) as mem:
+                            a = mem.array((size,), "uint8")
+                            a[0] = mark
+                            a[-1] = mark
+                            del a
+                            if not pool.emulated:  # no event exported: the marks are written first
+                                import cupy
+
+                                cupy.cuda.runtime.deviceSynchronize()
+                            t0 = time.perf_counter()
+                            handle = mem.export()
+                            steps["export"].append((time.perf_counter() - t0) * 1e9)
+                            with handle:
+                                conn.send(handle)
+                            r = _answer(results, proc, timeout)
+                        if not r["ok"]:
+                            raise RuntimeError(f"the importing process did not read the marks written "
+                                               f"at both ends of {size} bytes")
+                        r["view_ns"] = r["reserve_ns"] + r["map_ns"] + r["access_ns"]
+                        steps["call"].append(r["call"] * 1e9)
+                        for key in ("physical_ns", "view_ns", "reserve_ns", "map_ns", "access_ns"):
+                            steps[key].append(r[key])
+                    if not timed:
+                        continue
+                    per_gib = {k: [ns / 1e3 * GiB / size for ns in v] for k, v in steps.items()}
+                    label = f"VMM share {size // MiB}MiB, µs per GiB"
+                    out[f"{label}: export"] = {"cpu": per_gib["export"], "gpu": []}
+                    out[f"{label}: import"] = {"cpu": per_gib["physical_ns"], "gpu": []}
+                    out[f"{label}: reserve + map + set access"] = {
+                        "cpu": per_gib["view_ns"], "gpu": [],
+                        "metrics": {name: statistics.median(per_gib[key]) for name, key in
+                                    (("reserve", "reserve_ns"), ("map", "map_ns"),
+                                     ("set access", "access_ns"))}}
+                    out[f"{label}: ump.import_handle() in all"] = {"cpu": per_gib["call"], "gpu": []}
+        finally:
+            results.close()
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return out
+
+
+_READ_ALL = r"""
+extern "C" __global__ void read_all(const float4 *__restrict__ x, unsigned long long n, float *out)
+{
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    float acc = 0.0f;
+    for (; i < n; i += stride) {
+        float4 v = x[i];
+        acc += (v.x + v.y) + (v.z + v.w);
+    }
+    out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+"""
+
+
+class _Reader:
+    """A kernel on one device that reads a float32 array once, 16 bytes per
+    load, and leaves one partial sum per thread: the reads cannot be
+    optimised away, and their total says what was read."""
+
+    threads = 256
+
+    def __init__(self, cupy, device):
+        self.cupy, self.device = cupy, device
+        with cupy.cuda.Device(device) as dev:
+            self.blocks = 8 * dev.attributes["MultiProcessorCount"]
+            self.kernel = cupy.RawKernel(_READ_ALL, "read_all")
+            self.out = cupy.empty(self.blocks * self.threads, cupy.float32)
+
+    def run(self, x):
+        with self.cupy.cuda.Device(self.device):
+            self.kernel((self.blocks,), (self.threads,), (x, np.uint64(x.size // 4), self.out))
+
+    def check(self, x, expected: float, what: str) -> None:
+        self.run(x)
+        with self.cupy.cuda.Device(self.device):
+            total = float(self.out.sum(dtype=self.cupy.float64))
+        if total != expected:
+            raise RuntimeError(f"a kernel on GPU {self.device} reading {what} summed {total}, not {expected}")
+
+
+def _gbps(nbytes, times_us) -> float:
+    return nbytes / statistics.median(times_us) / 1e3
+
+
+def _ring(cupy, pool, size, repeat):
+    """A kernel reading `size` bytes of a ring from its middle, across the
+    wrap, against the same kernel on a block of the pool of the same size."""
+    n = size // 4
+    read = _Reader(cupy, pool.device)
+    with pool.ring(size) as ring:
+        r = ring.array((2 * n,), "float32")
+        r[:n].fill(1)  # through the first mapping; read below through both
+        across = r[n // 2:n // 2 + n]
+        with cupy.cuda.using_allocator(pool.malloc):
+            plain = cupy.ones(n, cupy.float32)
+        read.check(across, n, "a ring across its wrap")
+        read.check(plain, n, "plain pool memory")
+        wrap, flat = _cupyx(read.run, (across,), repeat), _cupyx(read.run, (plain,), repeat)
+        del r, across, plain
+    label = f"VMM ring {size // MiB}MiB"
+    ratio = statistics.median(wrap["gpu"]) / statistics.median(flat["gpu"])
+    return {
+        f"{label}: a kernel reading it across the wrap": {
+            **wrap, "metrics": {"GB/s": _gbps(size, wrap["gpu"]), "ratio to plain pool memory": ratio}},
+        f"{label}: the same kernel on plain pool memory": {
+            **flat, "metrics": {"GB/s": _gbps(size, flat["gpu"])}},
+    }
+
+
+STRIPED_CASES = ("VMM striped over GPUs 0 and 1: both GPUs reading all of it at once",
+                 "VMM striped over GPUs 0 and 1: GPU 0 reading all of it",
+                 "VMM on GPU 1 alone: GPU 0 reading all of it over the peer link")
+
+
+def _striped_why_not(ndevices: int, can_access_peer) -> str | None:
+    """Why the striped cases cannot run here, or None. `can_access_peer(a, b)`
+    is cudaDeviceCanAccessPeer."""
+    if ndevices < 2:
+        return f"needs two GPUs, this machine has {ndevices}"
+    if not (can_access_peer(0, 1) and can_access_peer(1, 0)):
+        return "GPUs 0 and 1 cannot access each other's memory (cudaDeviceCanAccessPeer is 0)"
+    return None
+
+
+def _on_device(cupy, mem, device):
+    """A float32 array over all of `mem` that CuPy places on `device`, so a
+    kernel launched there may take it (mem.array() places it on the pool's)."""
+    um = cupy.cuda.memory.UnownedMemory(mem.ptr, mem.size, mem, device)
+    return cupy.ndarray((mem.size // 4,), cupy.float32, cupy.cuda.MemoryPointer(um, 0))
+
+
+def _striped(cupy, pool, smoke):
+    """GB/s of kernels reading memory striped over GPUs 0 and 1: on both GPUs
+    at once, on GPU 0 alone; and GPU 0 reading memory wholly on GPU 1."""
+    from cupyx.profiler import benchmark
+
+    runtime = cupy.cuda.runtime
+    why = _striped_why_not(runtime.getDeviceCount(), runtime.deviceCanAccessPeer)
+    if why is None:
+        step = 2 * pool.granularity  # as many granules on each GPU
+        size = min(256 * MiB if smoke else 8 * GiB, _spare(cupy, 0), _spare(cupy, 1)) // step * step
+        if size <= 0:
+            why = "too little free memory on GPU 0 or 1"
+    if why is not None:
+        return {case: {"skipped": why} for case in STRIPED_CASES}
+    repeat = 3 if smoke else 10
+    n = size // 4
+    readers = [_Reader(cupy, 0), _Reader(cupy, 1)]
+    both, alone, peer = STRIPED_CASES
+    out = {}
+    with pool.striped(size, [1]) as remote:  # every granule on GPU 1, mapped as the striped ones
+        x = remote.array((n,), "float32")
+        x.fill(1)
+        readers[0].check(x, n, "GPU 1's memory")
+        t = _cupyx(readers[0].run, (x,), repeat)
+        out[peer] = {**t, "metrics": {"GB/s": _gbps(size, t["gpu"]), "GiB": size / GiB}}
+        del x
+    with pool.striped(size, [0, 1]) as mem:
+        x0, x1 = mem.array((n,), "float32"), _on_device(cupy, mem, 1)
+        x0.fill(1)
+        readers[0].check(x0, n, "striped memory")
+        readers[1].check(x1, n, "striped memory")
+        t = _cupyx(readers[0].run, (x0,), repeat)
+        out[alone] = {**t, "metrics": {"GB/s": _gbps(size, t["gpu"]), "GiB": size / GiB}}
+
+        def read_on_both(x0, x1):
+            readers[0].run(x0)
+            readers[1].run(x1)
+
+        r = benchmark(read_on_both, (x0, x1), n_repeat=repeat, n_warmup=3, devices=(0, 1))
+        per_gpu = r.gpu_times * 1e6
+        span = list(per_gpu.max(axis=0))  # both started together: the later end
+        out[both] = {"cpu": list(r.cpu_times * 1e6), "gpu": span, "metrics": {
+            "GB/s, both GPUs": _gbps(2 * size, span), "GB/s, GPU 0": _gbps(size, per_gpu[0]),
+            "GB/s, GPU 1": _gbps(size, per_gpu[1]), "GiB": size / GiB}}
+        del x0, x1
+    return {case: out[case] for case in STRIPED_CASES}
+
+
+def vmm(smoke):
+    import cupy
+
+    from .._vmm import VMMPool
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    spare = _spare(cupy, 0)
+    out = {}
+    pool = VMMPool(0)
+    try:
+        sizes = [s for s in ((16 * MiB,) if smoke else (256 * MiB, GiB, 4 * GiB)) if s <= spare]
+        if sizes:
+            out.update(_share(pool, sizes, 2 if smoke else 10))
+        else:
+            out["VMM share"] = {"skipped": "too little free memory on GPU 0"}
+        size = next((s for s in ((64 * MiB,) if smoke else (GiB, 256 * MiB)) if 2 * s <= spare), None)
+        if size:
+            out.update(_ring(cupy, pool, size, 5 if smoke else 50))
+        else:
+            out["VMM ring"] = {"skipped": "too little free memory on GPU 0"}
+        out.update(_striped(cupy, pool, smoke))
+    finally:
+        pool.trim()
+        pool.close()
+    return out
+
+
 CPU_SUITES = {"alloc_numpy": alloc_numpy}
 GPU_SUITES = {"alloc_cupy": alloc_cupy, "dispatch": dispatch, "interop": interop,
-              "workflows": workflows, "pools": pools}
+              "workflows": workflows, "pools": pools, "vmm": vmm}
 #: Suites whose cases do not depend on the configuration: run once, in "stock".
-CONFIG_FREE = {"pools"}
+CONFIG_FREE = {"pools", "vmm"}
