@@ -1,9 +1,10 @@
 """ump in Dask workers (ump.dask): the plugin, the preload, the CLI, and a
 dask.array pipeline whose chunks cross between worker processes.
 
-Every cluster here is a LocalCluster of two worker processes with one thread
-each, on the ``host`` backend: these are CPU tests (they skip on a machine
-with a GPU, where ``auto`` picks a unified backend).
+Every cluster here but the last test's is a LocalCluster of two worker
+processes with one thread each, on the ``host`` backend: these are CPU tests
+(they skip on a machine with a GPU, where ``auto`` picks a unified backend).
+The last runs the perf suite's Dask workflow small on one GPU.
 """
 
 from __future__ import annotations
@@ -291,3 +292,20 @@ def test_workflow_command_line_rejects_what_it_cannot_run(tmp_path):
     assert "--cpu runs only stock, ump" in usage("--cpu", "--configs", "rmm-managed")
     assert "worker counts must be at least 1" in usage("--cpu", "--workers", "0")
     assert "a size in bytes, not a fraction" in usage("--cpu", "--size", "0.5")
+
+
+@pytest.mark.gpu
+def test_workflow_on_the_gpu(gpu_caps):
+    """The workflow small on one GPU: the same spectrum, bit for bit, with
+    stock CuPy and with ump (the preload); stock's hand-off copies, ump's
+    keeps the address of a NumPy array made in ump memory."""
+    dp = _workflow()
+    p = dp.Pipeline(size=256 << 20, chunk=16 << 20, frame=1024)
+    options = dict(threads=2, memory_limit="8GiB", repeat=1, ump_cap="2GiB", timeout=120)
+    stock = dp.run_configuration("stock", 1, p, **options)
+    with_ump = dp.run_configuration("ump", 1, p, **options)
+    assert dp.check([stock, with_ump], p) == []
+    assert stock.hand_off == "copy" and with_ump.hand_off == "zero-copy"
+    assert all(w["backend"] is None and w["numpy_memory"] is None for w in stock.workers_seen.values())
+    assert all(w["backend"] is not None and w["numpy_memory"] == w["backend"]
+               for w in with_ump.workers_seen.values())
