@@ -224,3 +224,41 @@ def test_share_case_times_export_and_import_between_two_processes():
         for part in ("import", "reserve + map + set access"):
             assert all(call >= p for call, p in zip(t["ump.import_handle() in all"]["cpu"], t[part]["cpu"]))
         assert set(t["reserve + map + set access"]["metrics"]) == {"reserve", "map", "set access"}
+
+
+def test_dask_cases_from_a_workflow_report():
+    """The dask suite's cases: one per configuration and GPU count, timed per
+    run, with throughput and the speed-ups against stock and against 1 GPU."""
+    from ump.bench import cases
+
+    def run(config, label, workers, seconds):
+        return {"config": config, "label": label, "workers": workers, "seconds": seconds,
+                "median_s": sorted(seconds)[len(seconds) // 2]}
+
+    report = {"nbytes": 16 << 30, "runs": [
+        run("stock", "stock CuPy", 1, [8.0, 8.5, 7.9]), run("ump", "ump (system)", 1, [4.0]),
+        run("stock", "stock CuPy", 2, [4.0]), run("ump", "ump (system)", 2, [2.5])]}
+    got = cases.dask_cases(report)
+    assert list(got) == ["dask 16GiB, 1 GPU: stock CuPy", "dask 16GiB, 1 GPU: ump (system)",
+                         "dask 16GiB, 2 GPUs: stock CuPy", "dask 16GiB, 2 GPUs: ump (system)"]
+    assert got["dask 16GiB, 1 GPU: stock CuPy"]["cpu"] == [8e6, 8.5e6, 7.9e6]
+    assert got["dask 16GiB, 1 GPU: stock CuPy"]["metrics"] == {"GiB/s": 2.0}
+    assert got["dask 16GiB, 2 GPUs: ump (system)"]["metrics"] == {
+        "GiB/s": 6.4, "speed-up vs stock": 1.6, "speed-up vs 1 GPU": 1.6}
+
+
+def test_a_suite_whose_package_is_missing_is_named(monkeypatch):
+    monkeypatch.setitem(bench.NEEDS, "dask", ("no_such_module_of_ump", "pip install it"))
+    assert bench._suite_missing("dask", None) == "no_such_module_of_ump is not installed (pip install it)"
+    assert bench._suite_missing("dask", "no GPU") == "no GPU"
+    assert bench._suite_missing("alloc_numpy", "no GPU") is None
+    assert "dask" in bench.GPU_SUITES and "dask" in bench.CONFIG_FREE
+
+
+def test_suites_with_their_own_configurations_run_once(monkeypatch):
+    """Suites that set up their own configurations (pools, dask) run in the
+    "stock" process alone, not once per configuration."""
+    monkeypatch.setattr(bench, "CONFIG_FREE", {"alloc_numpy"})
+    report = bench.run(suites=["alloc_numpy"], smoke=True, progress=io.StringIO())
+    assert report["configs"] == ["stock"]
+    assert set(report["results"]["np.empty 64B"]) == {"suite", "stock"}

@@ -1,13 +1,15 @@
 """ump in Dask workers (ump.dask): the plugin, the preload, the CLI, and a
 dask.array pipeline whose chunks cross between worker processes.
 
-Every cluster here is a LocalCluster of two worker processes with one thread
-each, on the ``host`` backend: these are CPU tests (they skip on a machine
-with a GPU, where ``auto`` picks a unified backend).
+Every cluster here but the last test's is a LocalCluster of two worker
+processes with one thread each, on the ``host`` backend: these are CPU tests
+(they skip on a machine with a GPU, where ``auto`` picks a unified backend).
+The last runs the perf suite's Dask workflow small on one GPU.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -196,3 +198,114 @@ def test_pipeline_same_with_and_without_ump(cpu_only):
         assert sum(moved.values()) > 0, "the rechunk moved no chunk between workers"
         assert all(k == ["host"] for k in kinds.values()), kinds
     assert time.monotonic() - t0 < 60
+
+
+# --- the perf suite's workflow (ump.bench.dask_pipeline), tiny, NumPy in place of CuPy ---
+
+def _workflow():
+    return pytest.importorskip("ump.bench.dask_pipeline")
+
+
+def _tiny(dp):
+    return dp.Pipeline(size=8 << 20, chunk=1 << 20, frame=256, array_module="numpy")
+
+
+def test_workflow_same_with_and_without_ump(cpu_only):
+    """The workflow of ``python -m ump bench --suites dask`` in two worker
+    processes: the same spectrum, bit for bit, with ump's host backend (the
+    preload) as without ump, in every repeat; its peaks are the tones; both
+    workers computed chunks; ump's workers made their chunks in ump memory."""
+    dp = _workflow()
+    p = _tiny(dp)
+    options = dict(threads=1, memory_limit="2GiB", repeat=2, ump_backend="host", timeout=60)
+    without = dp.run_configuration("stock", 2, p, **options)
+    with_ump = dp.run_configuration("ump", 2, p, **options)
+
+    assert dp.check([without, with_ump], p) == []
+    np.testing.assert_array_equal(with_ump.spectrum.psd, without.spectrum.psd)
+    assert without.spectra_agree and with_ump.spectra_agree
+    assert with_ump.spectrum.peaks == p.tone_bins == (16, 51, 96)
+    np.testing.assert_allclose(without.spectrum.psd, dp.reference(p).psd, rtol=1e-12)
+    assert len(without.workers_seen) == len(with_ump.workers_seen) == 2
+    assert {(w["backend"], w["numpy_memory"]) for w in without.workers_seen.values()} == {(None, None)}
+    assert {(w["backend"], w["numpy_memory"]) for w in with_ump.workers_seen.values()} == {("host", "host")}
+    assert all(w["tasks"] > 0 for r in (without, with_ump) for w in r.workers_seen.values())
+    assert with_ump.label == "ump (host)" and without.label == "without ump"
+
+
+def test_workflow_check_catches_a_wrong_result():
+    dp = _workflow()
+    p = _tiny(dp)
+    total = np.ones(p.bins)
+    total[list(p.tone_bins)] = 10.0
+    good = dp.finish(total, p)
+    assert good.peaks == p.tone_bins
+
+    def run(spectrum, config="stock", agree=True):
+        return dp.Run(config, False, 2, 1, [1.0], 0.0, 0.0, spectrum, agree,
+                      {"cpu0": {"backend": "host" if config == "ump" else None, "numpy_memory": None,
+                                "hand_off": None, "tasks": 1, "managed_pool_limit": None}})
+
+    assert dp.check([run(good), run(good, "ump")], p) == []
+    off = dp.Spectrum(good.psd * (1 + 1e-15), good.peaks)  # one rounding apart still counts
+    (problem,) = dp.check([run(good), run(off, "ump")], p)
+    assert "ump (host) on 2 worker(s): spectrum differs from without ump" in problem
+    flat = dp.finish(np.ones(p.bins), p)
+    assert flat.peaks == ()
+    problems = dp.check([run(good), run(flat, "ump", agree=False)], p)
+    assert any("repeats gave different spectra" in s for s in problems)
+    assert any("peaks at bins []" in s for s in problems)
+
+
+def test_workflow_command_line_and_bench_cases(cpu_only, tmp_path):
+    """``python -m ump.bench.dask_pipeline --cpu``: the table, the verdict and
+    the JSON that ``python -m ump bench --suites dask`` turns into cases."""
+    out = tmp_path / "dask.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "ump.bench.dask_pipeline", "--cpu", "--workers", "1,2", "--size", "4MiB",
+         "--chunk", "512KiB", "--frame", "256", "--repeat", "1", "--memory-limit", "2GiB", "--json", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "All 4 results identical, bit for bit" in run.stdout
+    assert "| 2 | ump (host) |" in run.stdout and "Speed-up 1 → 2 workers:" in run.stdout
+    report = json.loads(out.read_text())
+    assert report["problems"] == [] and report["nbytes"] == 4 << 20
+    assert [(r["workers"], r["config"]) for r in report["runs"]] == [(1, "stock"), (1, "ump"), (2, "stock"),
+                                                                      (2, "ump")]
+    from ump.bench import cases
+
+    got = cases.dask_cases(report)
+    assert set(got) == {"dask 0.00391GiB, 1 GPU: without ump", "dask 0.00391GiB, 1 GPU: ump (host)",
+                        "dask 0.00391GiB, 2 GPUs: without ump", "dask 0.00391GiB, 2 GPUs: ump (host)"}
+    two = got["dask 0.00391GiB, 2 GPUs: ump (host)"]["metrics"]
+    assert {"GiB/s", "speed-up vs stock", "speed-up vs 1 GPU"} == set(two)
+
+
+def test_workflow_command_line_rejects_what_it_cannot_run(tmp_path):
+    def usage(*args):
+        run = subprocess.run([sys.executable, "-m", "ump.bench.dask_pipeline", *args], capture_output=True,
+                             text=True, cwd=tmp_path, timeout=60)
+        assert run.returncode == 2, run.stderr
+        return run.stderr
+
+    assert "unknown configuration(s) bogus" in usage("--cpu", "--configs", "stock,bogus")
+    assert "--cpu runs only stock, ump" in usage("--cpu", "--configs", "rmm-managed")
+    assert "worker counts must be at least 1" in usage("--cpu", "--workers", "0")
+    assert "a size in bytes, not a fraction" in usage("--cpu", "--size", "0.5")
+
+
+@pytest.mark.gpu
+def test_workflow_on_the_gpu(gpu_caps):
+    """The workflow small on one GPU: the same spectrum, bit for bit, with
+    stock CuPy and with ump (the preload); stock's hand-off copies, ump's
+    keeps the address of a NumPy array made in ump memory."""
+    dp = _workflow()
+    p = dp.Pipeline(size=256 << 20, chunk=16 << 20, frame=1024)
+    options = dict(threads=2, memory_limit="8GiB", repeat=1, ump_cap="2GiB", timeout=120)
+    stock = dp.run_configuration("stock", 1, p, **options)
+    with_ump = dp.run_configuration("ump", 1, p, **options)
+    assert dp.check([stock, with_ump], p) == []
+    assert stock.hand_off == "copy" and with_ump.hand_off == "zero-copy"
+    assert all(w["backend"] is None and w["numpy_memory"] is None for w in stock.workers_seen.values())
+    assert all(w["backend"] is not None and w["numpy_memory"] == w["backend"]
+               for w in with_ump.workers_seen.values())

@@ -5,11 +5,14 @@ machine supports ("stock": CuPy without ump; "imported": ump imported, not
 enabled; then each backend, and the managed backend's placements), prints a
 table with ratios against stock, writes JSON (with the probe), a PNG plot of
 interop time against size, and with ``--compare OLD.json`` flags slow-downs.
+Suites that set up their own configurations (``pools``; ``dask``, the Dask
+workflow of :mod:`ump.bench.dask_pipeline`) run once, in "stock".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import statistics
@@ -18,7 +21,7 @@ import sys
 import time
 
 from .. import _probe, backends
-from .cases import CPU_SUITES, GPU_SUITES
+from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, NEEDS
 
 __all__ = ["ArgumentError", "configurations", "run", "compare", "table", "plot", "overhead"]
 
@@ -37,6 +40,16 @@ def _gpu_missing(caps) -> str | None:
         return f"no GPU ({caps.reason})"
     if caps.cupy_version is None:
         return "CuPy is not installed (pip install ump[cuda12] or ump[cuda13])"
+    return None
+
+
+def _suite_missing(suite: str, gpu_missing: str | None) -> str | None:
+    """Why ``suite`` cannot run here, or None."""
+    if suite in GPU_SUITES and gpu_missing is not None:
+        return gpu_missing
+    module, install = NEEDS.get(suite, (None, None))
+    if module is not None and importlib.util.find_spec(module) is None:
+        return f"{module} is not installed ({install})"
     return None
 
 
@@ -95,16 +108,22 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
                 return why
         return missing
 
-    runnable_suites = list(CPU_SUITES) + (list(GPU_SUITES) if missing is None else [])
+    runnable_suites = [s for s in (*CPU_SUITES, *GPU_SUITES) if _suite_missing(s, missing) is None]
     if suites is not None:
-        _check_names("suite", suites, (*CPU_SUITES, *GPU_SUITES), runnable_suites, lambda _: missing)
+        _check_names("suite", suites, (*CPU_SUITES, *GPU_SUITES), runnable_suites,
+                     lambda s: _suite_missing(s, missing))
     if configs:
         _check_names("configuration", configs, KNOWN_CONFIGS, configurations(caps, smoke=False), config_why_not)
     if suites is None:
         suites = runnable_suites
         if missing is not None:
             print(f"GPU suites skipped ({', '.join(GPU_SUITES)}): {missing}", file=progress, flush=True)
-    configs = configs or configurations(caps, smoke)
+        for suite in (*CPU_SUITES, *GPU_SUITES):
+            why = _suite_missing(suite, None)
+            if why is not None and (suite in CPU_SUITES or missing is None):
+                print(f"suite {suite} skipped: {why}", file=progress, flush=True)
+    # suites that set up their own configurations run once, in "stock"
+    configs = configs or (["stock"] if set(suites) <= CONFIG_FREE else configurations(caps, smoke))
     raw, skipped = {}, {}
     t_start = time.perf_counter()
     steps = [(r, c) for r in range(rounds) for c in configs]

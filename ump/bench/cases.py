@@ -9,7 +9,12 @@ perf_counter around each repeat.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -571,8 +576,48 @@ def vmm(smoke):
     return out
 
 
+# --- the Dask workflow: stock CuPy, CuPy on managed memory and ump, 1 and 2 GPUs ---
+# ump.bench.dask_pipeline starts a cluster per configuration and GPU count, so
+# the case runs it once, from "stock", in a process of its own: Dask and its
+# workers stay out of the process that times the other suites.
+
+def dask_cases(report: dict) -> dict:
+    """Cases from a report of ``python -m ump.bench.dask_pipeline --json``:
+    one per configuration and GPU count, timed in microseconds per run."""
+    size = f"{report['nbytes'] / 2**30:.3g}GiB"
+    runs = report["runs"]
+    stock = {r["workers"]: r["median_s"] for r in runs if r["config"] == "stock"}
+    fewest = min(r["workers"] for r in runs)
+    first = {r["config"]: r["median_s"] for r in runs if r["workers"] == fewest}
+    out = {}
+    for r in runs:
+        metrics = {"GiB/s": report["nbytes"] / 2**30 / r["median_s"]}
+        if r["config"] != "stock" and r["workers"] in stock:
+            metrics["speed-up vs stock"] = stock[r["workers"]] / r["median_s"]
+        if r["workers"] != fewest and r["config"] in first:
+            metrics[f"speed-up vs {fewest} GPU"] = first[r["config"]] / r["median_s"]
+        gpus = f"{r['workers']} GPU{'s' * (r['workers'] > 1)}"
+        out[f"dask {size}, {gpus}: {r['label']}"] = {
+            "cpu": [s * 1e6 for s in r["seconds"]], "gpu": [], "metrics": metrics}
+    return out
+
+
+def dask_workflow(smoke):
+    args = ["--size", "512MiB", "--chunk", "32MiB", "--repeat", "1"] if smoke else []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "dask.json")
+        proc = subprocess.run([sys.executable, "-m", "ump.bench.dask_pipeline", *args, "--json", path],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the Dask workflow failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        with open(path) as f:
+            return dask_cases(json.load(f))
+
+
 CPU_SUITES = {"alloc_numpy": alloc_numpy}
 GPU_SUITES = {"alloc_cupy": alloc_cupy, "dispatch": dispatch, "interop": interop,
-              "workflows": workflows, "pools": pools, "vmm": vmm}
+              "workflows": workflows, "pools": pools, "vmm": vmm, "dask": dask_workflow}
 #: Suites whose cases do not depend on the configuration: run once, in "stock".
-CONFIG_FREE = {"pools", "vmm"}
+CONFIG_FREE = {"pools", "vmm", "dask"}
+#: Suites that need a package beyond CuPy: suite -> (module, how to install it).
+NEEDS = {"dask": ("distributed", "pip install ump[dask]")}
