@@ -262,3 +262,29 @@ def test_suites_with_their_own_configurations_run_once(monkeypatch):
     report = bench.run(suites=["alloc_numpy"], smoke=True, progress=io.StringIO())
     assert report["configs"] == ["stock"]
     assert set(report["results"]["np.empty 64B"]) == {"suite", "stock"}
+
+
+# --- the workflows, with NumPy standing in for CuPy ----------------------------
+
+def _numpy_as_cupy():
+    """A module that answers what the workflows ask of CuPy, with NumPy: the
+    workflows' own checks of what the host reads then run on the CPU."""
+    import types
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    runtime = types.SimpleNamespace(deviceSynchronize=lambda: None)
+    return types.SimpleNamespace(
+        asarray=np.array, asnumpy=np.array, float32=np.float32,
+        random=types.SimpleNamespace(random=lambda n, dtype: rng.random(n, dtype=dtype)),
+        cuda=types.SimpleNamespace(runtime=runtime))
+
+
+@pytest.mark.parametrize("name", ["_pass", "_resident", "_cupy_made", "_many", "_numpy_only"])
+def test_workflows_check_what_the_host_reads(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, "cupy", _numpy_as_cupy())
+    run = getattr(cases, name)
+    out = run(1, True) if name == "_pass" else run(True)
+    assert len(out["cpu"]) == 3 and min(out["cpu"]) > 0 and out["gpu"] == []
+

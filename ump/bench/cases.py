@@ -133,10 +133,90 @@ def _pass(kernels, smoke):
     return _wall(run, 3 if smoke else 7, setup)
 
 
+def _resident(smoke):
+    """Handed to CuPy once, then a loop of GPU work whose result the host
+    looks at a little of each step: the data should stay where the kernels are."""
+    import cupy
+
+    n, steps = ((16 * MiB, 3) if smoke else (256 * MiB, 20))
+    n //= 4
+
+    def setup():
+        a = np.ones(n, dtype=np.float32)
+        cupy.cuda.runtime.deviceSynchronize()
+        return a
+
+    def run(a):
+        g = cupy.asarray(a)
+        for step in range(steps):
+            g += 1
+            g *= 1  # a second kernel over all of it
+            b = cupy.asnumpy(g)
+            assert b[:1024].sum() == 1024 * (step + 2)  # the host reads 4 KiB
+
+    return _wall(run, 3 if smoke else 7, setup)
+
+
+def _cupy_made(smoke):
+    """An array CuPy makes, brought to the host and read whole by NumPy."""
+    import cupy
+
+    n = (16 * MiB if smoke else 1024 * MiB) // 4
+
+    def run(_):
+        g = cupy.random.random(n, dtype=cupy.float32)
+        b = cupy.asnumpy(g)
+        mean = float(b.sum(dtype=np.float64)) / n
+        assert 0.49 < mean < 0.51
+
+    return _wall(run, 3 if smoke else 7)
+
+
+def _many(smoke):
+    """Many mid-sized arrays, each NumPy -> one kernel -> NumPy."""
+    import cupy
+
+    count, n = (8 if smoke else 64), 8 * MiB // 4
+
+    def setup():
+        arrays = [np.full(n, float(i), dtype=np.float32) for i in range(count)]
+        cupy.cuda.runtime.deviceSynchronize()
+        return arrays
+
+    def run(arrays):
+        for i, a in enumerate(arrays):
+            g = cupy.asarray(a)
+            g *= 2
+            b = cupy.asnumpy(g)
+            assert b[::1024].sum() == 2.0 * i * (n // 1024)  # the host reads every page
+
+    return _wall(run, 3 if smoke else 7, setup)
+
+
+def _numpy_only(smoke):
+    """NumPy alone, no GPU work, in a process where ump is enabled: a sort,
+    ufuncs over large arrays, and many small arrays."""
+    n, small = (1 << 16, 1000) if smoke else (1 << 23, 100_000)
+
+    def run(_):
+        x = np.random.default_rng(0).random(n)
+        y = np.sort(x)
+        z = np.sqrt(y) * 2.0 + np.sin(y)
+        parts = [np.arange(64, dtype=np.float64) * k for k in range(small)]
+        total = float(z.sum()) + sum(float(p[-1]) for p in parts)
+        assert total > 0
+
+    return _wall(run, 3 if smoke else 7)
+
+
 def workflows(smoke):
     return {
         "single pass 1GiB (fill, 1 kernel, read)": _pass(1, smoke),
         "iterative 1GiB (fill, 10 kernels, read)": _pass(10, smoke),
+        "resident 256MiB (hand-off once, 20 x (2 kernels, asnumpy, read 4KiB))": _resident(smoke),
+        "CuPy-made 1GiB (cupy.random, asnumpy, NumPy sums all)": _cupy_made(smoke),
+        "64 x 8MiB (NumPy, 1 kernel, NumPy reads)": _many(smoke),
+        "NumPy only (sort, ufuncs, 100k small arrays)": _numpy_only(smoke),
     }
 
 
