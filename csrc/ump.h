@@ -133,6 +133,8 @@ typedef struct { UMP_VMM_STATS_FIELDS(UMP_U64_FIELD) } ump_vmm_stats_t;
  * emulated physical layer (memfd) that runs without a GPU. ctx: the device's
  * primary context. limit 0: none. Returns a pool id or -1. */
 int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit);
+/* Only when no block, buffer or view is live. Every later call with the id
+ * fails with UMP_ERR_HANDLE, until ump_vmm_create hands the id out again. */
 int ump_vmm_destroy(int pool);
 uintptr_t ump_vmm_alloc(int pool, uint64_t size, uintptr_t stream);
 int ump_vmm_free(int pool, uintptr_t ptr);

@@ -99,7 +99,9 @@ typedef struct {
 } region_t;
 
 typedef struct {
-    int used, provider, device, destroyed;
+    int used, provider, device;
+    int closing;       /* destroyed: its memory is gone, its slot still pinned */
+    int users;         /* pins: calls between resolving its id and letting go */
     void *ctx;
     uint64_t gran;
     pthread_mutex_t lock;
@@ -121,7 +123,9 @@ typedef struct {
 } pool_t;
 
 static pool_t pools[UMP_MAX_POOLS];
-static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER; /* before any pool's lock */
+/* Guards the slots (used, users; closing is also set under the pool's
+ * lock); taken before any pool's lock, never while holding one. */
+static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
 static int n_pools_used;
 
 static int fail(int status) { return ump__set_status(status); }
@@ -833,14 +837,55 @@ static void merge_streams(pool_t *p, uintptr_t stream)
     }
 }
 
-/* --- public API ---------------------------------------------------------- */
+/* --- pool ids ---------------------------------------------------------------
+ * A call turns a pool id into the pool, then takes the pool's lock, and a
+ * destroy may run between the two: it frees the pool's arrays and wipes its
+ * slot, so the call would lock a destroyed mutex and walk freed lists. So
+ * every call, destroy included, first pins the pool under pools_lock
+ * (`users`) and then takes the pool's lock. Destroy frees what the pool
+ * holds and marks it closing under the pool's lock; a call that pinned it
+ * meanwhile sees that once it has the lock, and fails with UMP_ERR_HANDLE.
+ * The slot (its lock, its id) goes with the last pin, under pools_lock,
+ * which lookups and fork's prepare hold while they walk the slots. */
 
-static pool_t *pool_get(int id)
+/* Let go of a pool from pool_enter: its lock, then the pin. */
+static void pool_leave(pool_t *p)
 {
-    if (id < 0 || id >= UMP_MAX_POOLS || !pools[id].used || pools[id].destroyed)
-        return NULL;
-    return &pools[id];
+    pthread_mutex_unlock(&p->lock);
+    pthread_mutex_lock(&pools_lock);
+    if (--p->users == 0 && __atomic_load_n(&p->closing, __ATOMIC_RELAXED)) {
+        pthread_mutex_destroy(&p->lock);
+        memset(p, 0, sizeof *p);
+        __atomic_fetch_sub(&n_pools_used, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&pools_lock);
 }
+
+/* Pin pool `id` and take its lock. UMP_ERR_ARG for an id no pool can have,
+ * UMP_ERR_HANDLE for one that names no open pool (never did, or destroyed). */
+static int pool_enter(int id, pool_t **out)
+{
+    *out = NULL;
+    if (id < 0 || id >= UMP_MAX_POOLS)
+        return UMP_ERR_ARG;
+    pool_t *p = &pools[id];
+    pthread_mutex_lock(&pools_lock);
+    int open = p->used && !__atomic_load_n(&p->closing, __ATOMIC_RELAXED);
+    if (open)
+        p->users++;
+    pthread_mutex_unlock(&pools_lock);
+    if (!open)
+        return UMP_ERR_HANDLE;
+    pthread_mutex_lock(&p->lock);
+    if (p->closing) {
+        pool_leave(p);
+        return UMP_ERR_HANDLE;
+    }
+    *out = p;
+    return UMP_OK;
+}
+
+/* --- public API ---------------------------------------------------------- */
 
 int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit)
 {
@@ -916,14 +961,18 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
 
 uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
 {
-    pool_t *p = pool_get(id);
-    if (!p || size > p->main.ngran * p->gran) {
-        fail(UMP_ERR_ARG);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status == UMP_OK && size > p->main.ngran * p->gran) {
+        pool_leave(p);
+        status = UMP_ERR_ARG; /* past the reservation: no failure of the pool's */
+    }
+    if (status != UMP_OK) {
+        fail(status);
         return 0;
     }
     uint64_t need = size ? (size + UMP_ALIGN - 1) / UMP_ALIGN * UMP_ALIGN : UMP_ALIGN;
-    pthread_mutex_lock(&p->lock);
-    int status = UMP_OK;
+    uintptr_t ptr = 0;
     blk_t *b = NULL;
     sbins_t *sb = bins_for(p, stream, 1);
     if (!sb) {
@@ -981,28 +1030,27 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
         p->st.peak_used_bytes = p->st.used_bytes;
     if (p->st.current_count > p->st.peak_count)
         p->st.peak_count = p->st.current_count;
+    ptr = p->main.va + b->off;
 out:
     if (status != UMP_OK)
         p->st.failures++;
-    pthread_mutex_unlock(&p->lock);
-    if (!b) {
+    pool_leave(p);
+    if (!ptr)
         fail(status);
-        return 0;
-    }
-    return p->main.va + b->off;
+    return ptr;
 }
 
 int ump_vmm_free(int id, uintptr_t ptr)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     uint64_t off = ptr - p->main.va;
     size_t i = live_find(p, off);
     if (ptr < p->main.va || i == p->nlive || p->live[i]->off != off) {
         p->st.bad_frees++;
-        pthread_mutex_unlock(&p->lock);
+        pool_leave(p);
         return fail(UMP_ERR_ARG);
     }
     blk_t *b = p->live[i];
@@ -1012,48 +1060,51 @@ int ump_vmm_free(int id, uintptr_t ptr)
     p->st.used_bytes -= b->size;
     p->st.current_count--;
     release_blk(p, b);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return UMP_OK;
 }
 
 int ump_vmm_trim(int id, int keep_handles)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    int pushed, status = ph_enter(p, &pushed);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    int pushed;
+    status = ph_enter(p, &pushed);
     if (status == UMP_OK) {
         scavenge(p);
         if (!keep_handles)
             release_cached(p, 0);
     }
     ph_leave(p, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 int ump_vmm_set_limit(int id, uint64_t limit)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     p->st.limit_bytes = limit;
     if (limit && p->st.physical_bytes > limit && ump__cuda_ready() == UMP_OK) {
         scavenge(p);
         release_cached(p, 0);
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return UMP_OK;
 }
 
 int ump_vmm_stats(int id, ump_vmm_stats_t *out)
 {
-    pool_t *p = pool_get(id);
-    if (!p || !out)
+    if (!out)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     *out = p->st;
     out->cached_bytes = p->st.physical_bytes - p->st.mapped_bytes - p->st.shared_bytes;
     uint64_t idle = 0;
@@ -1064,7 +1115,7 @@ int ump_vmm_stats(int id, ump_vmm_stats_t *out)
     out->handles = 0;
     for (size_t i = 0; i < p->nh; i++)
         out->handles += p->hs[i].ngran != 0;
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return UMP_OK;
 }
 
@@ -1088,11 +1139,12 @@ static int grant_region(pool_t *p, region_t *r)
 
 int ump_vmm_grant(int id, int device)
 {
-    pool_t *p = pool_get(id);
-    if (!p || device < 0)
+    if (device < 0)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    int status = UMP_OK;
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int i;
     for (i = 0; i < p->ndev; i++)
         if (p->devs[i] == device)
@@ -1114,20 +1166,20 @@ int ump_vmm_grant(int id, int device)
                 p->ndev--;
         }
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 int ump_vmm_devices(int id, int *out, int max)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int n = p->ndev;
     for (int i = 0; i < n && i < max; i++)
         out[i] = p->devs[i];
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return n;
 }
 
@@ -1180,29 +1232,31 @@ static int region_open(pool_t *p, int kind, uint64_t ngran, int *idx)
 
 int ump_vmm_buffer_create(int id, uint64_t max_bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p || max_bytes == 0 || max_bytes > ((uint64_t)1 << 47))
+    if (max_bytes == 0 || max_bytes > ((uint64_t)1 << 47))
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int buf = -1;
-    int status = region_open(p, REGION_BUFFER, (max_bytes + p->gran - 1) / p->gran, &buf);
-    pthread_mutex_unlock(&p->lock);
+    status = region_open(p, REGION_BUFFER, (max_bytes + p->gran - 1) / p->gran, &buf);
+    pool_leave(p);
     return status == UMP_OK ? buf : fail(status);
 }
 
 /* A buffer's address (fixed for its life) and the bytes in use. */
 int ump_vmm_buffer_info(int id, int buf, uintptr_t *ptr, uint64_t *size)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = buffer_get(p, buf);
     if (r) {
         *ptr = r->va;
         *size = r->size;
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return r ? UMP_OK : fail(UMP_ERR_ARG);
 }
 
@@ -1220,12 +1274,11 @@ static void unmap_from(pool_t *p, int region, uint64_t from)
 
 int ump_vmm_buffer_resize(int id, int buf, uint64_t bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = buffer_get(p, buf);
-    int status = UMP_OK;
     if (!r || bytes > r->ngran * p->gran) {
         status = UMP_ERR_ARG; /* past its reservation the address would change */
     } else {
@@ -1246,19 +1299,18 @@ int ump_vmm_buffer_resize(int id, int buf, uint64_t bytes)
     }
     if (status != UMP_OK)
         p->st.failures++;
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 int ump_vmm_buffer_destroy(int id, int buf)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&pools_lock); /* lookups read buffers under it */
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = buffer_get(p, buf);
-    int status = r ? ph_sync(p) : UMP_ERR_ARG;
+    status = r ? ph_sync(p) : UMP_ERR_ARG;
     if (status == UMP_OK) {
         int pushed;
         unmap_from(p, buf + 1, 0);
@@ -1270,8 +1322,7 @@ int ump_vmm_buffer_destroy(int id, int buf)
         free(r->gh);
         memset(r, 0, sizeof *r);
     }
-    pthread_mutex_unlock(&p->lock);
-    pthread_mutex_unlock(&pools_lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
@@ -1350,11 +1401,13 @@ static region_t *region_at(pool_t *p, uintptr_t ptr, int *region)
 
 int ump_vmm_migrate(int id, uintptr_t ptr, uint64_t bytes, int device)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || device < 0)
+    if (bytes == 0 || device < 0)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    int region, status = UMP_OK, granted = 0;
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    int region, granted = 0;
     region_t *r = region_at(p, ptr, &region);
     for (int d = 0; d < p->ndev; d++)
         granted |= p->devs[d] == device;
@@ -1381,17 +1434,19 @@ int ump_vmm_migrate(int id, uintptr_t ptr, uint64_t bytes, int device)
             status = migrate_handle(p, i, device);
     }
     ph_leave(p, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 /* The device each byte of [ptr, ptr+bytes) lives on, if one; -1 if mixed. */
 int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0)
+    if (bytes == 0)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int region, dev = -2;
     region_t *r = region_at(p, ptr, &region);
     if (r && ptr + bytes <= r->va + r->ngran * p->gran) {
@@ -1400,7 +1455,7 @@ int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
             dev = dev == -2 ? d : (dev == d ? dev : -1);
         }
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     if (dev < -1)
         return fail(UMP_ERR_ARG);
     return dev;
@@ -1535,49 +1590,60 @@ static uint64_t granules(pool_t *p, uint64_t bytes) { return (bytes + p->gran - 
 
 int ump_vmm_shared_create(int id, uint64_t bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || bytes > ((uint64_t)1 << 47))
+    if (bytes == 0 || bytes > ((uint64_t)1 << 47))
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int v, pushed;
     int64_t i;
-    int status = view_begin(p, REGION_SHARED, granules(p, bytes), &v, &pushed);
+    status = view_begin(p, REGION_SHARED, granules(p, bytes), &v, &pushed);
     if (status == UMP_OK)
         status = view_handle(p, v, granules(p, bytes), p->device, 1, &i);
     if (status == UMP_OK)
         status = view_map(p, v, 0, i);
     status = view_end(p, v, status, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
 int ump_vmm_export(int id, int view, int *fd)
 {
-    pool_t *p = pool_get(id);
-    if (!p || !fd)
+    if (!fd)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = view_get(p, view);
-    int pushed = 0, status = r && r->kind == REGION_SHARED ? ph_enter(p, &pushed) : UMP_ERR_ARG;
+    int pushed = 0;
+    status = r && r->kind == REGION_SHARED ? ph_enter(p, &pushed) : UMP_ERR_ARG;
     if (status == UMP_OK)
         status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_export(p, p->hs[r->gh[0]].h, fd);
     if (status == UMP_OK)
         p->st.exports++;
     ph_leave(p, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
 {
-    pool_t *p = pool_get(id);
-    if (!p || fd < 0 || bytes == 0 || bytes % p->gran || bytes > ((uint64_t)1 << 47))
-        return fail(p && fd >= 0 && bytes ? UMP_ERR_HANDLE : UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    if (fd < 0 || bytes == 0)
+        return fail(UMP_ERR_ARG);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    if (bytes % p->gran || bytes > ((uint64_t)1 << 47)) {
+        pool_leave(p);
+        return fail(UMP_ERR_HANDLE); /* not the size of any memory we export */
+    }
     int v, pushed;
     int64_t i = -1;
     uint64_t h;
-    int status = view_begin(p, REGION_IMPORTED, bytes / p->gran, &v, &pushed);
+    status = view_begin(p, REGION_IMPORTED, bytes / p->gran, &v, &pushed);
     if (status == UMP_OK)
         status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_import(p, fd, bytes, &h, &device);
     if (status == UMP_OK) {
@@ -1590,7 +1656,7 @@ int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
     if (status == UMP_OK)
         status = view_map(p, v, 0, i);
     status = view_end(p, v, status, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
@@ -1599,15 +1665,17 @@ int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
  * spans the handles' granules; *alias is where ptr appears in it. */
 int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || !alias)
+    if (bytes == 0 || !alias)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     uint64_t off = ptr - p->main.va;
     size_t k = ptr >= p->main.va ? live_find(p, off + 1) : 0;
     blk_t *b = k ? p->live[k - 1] : NULL;
     if (!b || off + bytes > b->off + b->size || off + bytes < off) {
-        pthread_mutex_unlock(&p->lock);
+        pool_leave(p);
         return fail(UMP_ERR_ARG); /* not inside one live block */
     }
     /* A live block's granules are all backed (touch mapped them). */
@@ -1615,7 +1683,7 @@ int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias
     handle_t *last = &p->hs[p->main.gh[(off + bytes - 1) / p->gran]];
     uint64_t a0 = first->at, a1 = last->at + last->ngran;
     int v, pushed;
-    int status = view_begin(p, REGION_ALIAS, a1 - a0, &v, &pushed);
+    status = view_begin(p, REGION_ALIAS, a1 - a0, &v, &pushed);
     for (uint64_t g = a0; g < a1 && status == UMP_OK;) {
         int64_t i = p->main.gh[g];
         status = view_map(p, v, g - a0, i);
@@ -1624,7 +1692,7 @@ int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias
     status = view_end(p, v, status, pushed);
     if (status == UMP_OK)
         *alias = p->bufs[v].va + (off - a0 * p->gran);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
@@ -1632,14 +1700,20 @@ int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias
  * va + bytes: byte i and byte i + bytes are the same memory. */
 int ump_vmm_ring_create(int id, uint64_t bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || bytes % p->gran || bytes > ((uint64_t)1 << 46))
+    if (bytes == 0 || bytes > ((uint64_t)1 << 46))
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    if (bytes % p->gran) {
+        pool_leave(p);
+        return fail(UMP_ERR_ARG);
+    }
     uint64_t n = bytes / p->gran;
     int v, pushed;
     int64_t i;
-    int status = view_begin(p, REGION_RING, 2 * n, &v, &pushed);
+    status = view_begin(p, REGION_RING, 2 * n, &v, &pushed);
     if (status == UMP_OK)
         status = view_handle(p, v, n, p->device, 0, &i);
     if (status == UMP_OK)
@@ -1647,7 +1721,7 @@ int ump_vmm_ring_create(int id, uint64_t bytes)
     if (status == UMP_OK)
         status = view_map(p, v, n, i);
     status = view_end(p, v, status, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
@@ -1655,12 +1729,13 @@ int ump_vmm_ring_create(int id, uint64_t bytes)
  * to all of it. The devices must have been granted access to the pool. */
 int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevices)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || bytes > ((uint64_t)1 << 47) || !devices || ndevices < 1 ||
+    if (bytes == 0 || bytes > ((uint64_t)1 << 47) || !devices || ndevices < 1 ||
         ndevices > MAX_DEVICES)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    int status = UMP_OK;
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     for (int d = 0; d < ndevices; d++) {
         int granted = 0;
         for (int k = 0; k < p->ndev; k++)
@@ -1669,7 +1744,7 @@ int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevi
             status = UMP_ERR_ARG;
     }
     if (status != UMP_OK) {
-        pthread_mutex_unlock(&p->lock);
+        pool_leave(p);
         return fail(status); /* grant them access first */
     }
     int v, pushed;
@@ -1681,41 +1756,41 @@ int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevi
             status = view_map(p, v, g, i);
     }
     status = view_end(p, v, status, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
 int ump_vmm_view_info(int id, int view, uintptr_t *ptr, uint64_t *size)
 {
-    pool_t *p = pool_get(id);
-    if (!p || !ptr || !size)
+    if (!ptr || !size)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = view_get(p, view);
     if (r) {
         *ptr = r->va;
         *size = r->size;
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return r ? UMP_OK : fail(UMP_ERR_ARG);
 }
 
 int ump_vmm_view_destroy(int id, int view)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&pools_lock); /* as buffers: lookups read regions under it */
-    pthread_mutex_lock(&p->lock);
-    int status = view_get(p, view) ? ph_sync(p) : UMP_ERR_ARG;
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    status = view_get(p, view) ? ph_sync(p) : UMP_ERR_ARG;
     if (status == UMP_OK) {
         int pushed;
         ph_enter(p, &pushed);
         view_close(p, view);
         ph_leave(p, pushed);
     }
-    pthread_mutex_unlock(&p->lock);
-    pthread_mutex_unlock(&pools_lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
@@ -1729,11 +1804,12 @@ int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
     pthread_mutex_lock(&pools_lock);
     for (int id = 0; id < UMP_MAX_POOLS && kind == UMP_KIND_NONE; id++) {
         pool_t *p = &pools[id];
-        if (!p->used || p->destroyed)
+        if (!p->used)
             continue;
         pthread_mutex_lock(&p->lock);
+        /* A destroyed pool keeps its slot while calls pin it: not its memory. */
         int region, found = 0;
-        region_t *r = region_at(p, ptr, &region);
+        region_t *r = p->closing ? NULL : region_at(p, ptr, &region);
         if (r && region == 0) {
             size_t i = live_find(p, ptr - r->va + 1);
             if (i > 0) {
@@ -1759,53 +1835,47 @@ int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
     return kind;
 }
 
-/* Give everything back: only when no block or buffer is live. */
+/* Give everything back: only when no block or buffer is live. Destroy
+ * pins the pool like any call, so it never holds pools_lock while it waits
+ * for the pool's lock, and the slot goes with the last pin (pool ids). */
 int ump_vmm_destroy(int id)
 {
-    pthread_mutex_lock(&pools_lock);
-    pool_t *p = pool_get(id);
-    int status = p ? UMP_OK : UMP_ERR_ARG;
-    if (p) {
-        pthread_mutex_lock(&p->lock);
-        for (int b = 0; b < p->nbufs; b++)
-            if (p->bufs[b].live)
-                status = UMP_ERR_ARG;
-        if (p->nlive)
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    for (int b = 0; b < p->nbufs; b++)
+        if (p->bufs[b].live)
             status = UMP_ERR_ARG;
-        int pushed = 0;
-        if (status == UMP_OK)
-            status = ph_enter(p, &pushed);
-        if (status == UMP_OK)
-            status = ph_sync(p);
-        if (status == UMP_OK) {
-            for (size_t i = 0; i < p->nh; i++)
-                if (p->hs[i].ngran && p->hs[i].region >= 0)
-                    handle_unmap(p, (int64_t)i);
-            release_cached(p, 0);
-            ph_unreserve(p, p->main.va, p->main.ngran * p->gran);
-            blk_t *b = p->last;
-            while (b) {
-                blk_t *q = b->prev;
-                free(b);
-                b = q;
-            }
-            free(p->sb);
-            free(p->live);
-            free(p->hs);
-            free(p->gref);
-            free(p->main.gh);
-            free(p->bufs);
-            p->destroyed = 1;
+    if (p->nlive)
+        status = UMP_ERR_ARG;
+    int pushed = 0;
+    if (status == UMP_OK)
+        status = ph_enter(p, &pushed);
+    if (status == UMP_OK)
+        status = ph_sync(p);
+    if (status == UMP_OK) {
+        for (size_t i = 0; i < p->nh; i++)
+            if (p->hs[i].ngran && p->hs[i].region >= 0)
+                handle_unmap(p, (int64_t)i);
+        release_cached(p, 0);
+        ph_unreserve(p, p->main.va, p->main.ngran * p->gran);
+        blk_t *b = p->last;
+        while (b) {
+            blk_t *q = b->prev;
+            free(b);
+            b = q;
         }
-        ph_leave(p, pushed);
-        pthread_mutex_unlock(&p->lock);
-        if (status == UMP_OK) {
-            pthread_mutex_destroy(&p->lock);
-            memset(p, 0, sizeof *p);
-            __atomic_fetch_sub(&n_pools_used, 1, __ATOMIC_RELEASE);
-        }
+        free(p->sb);
+        free(p->live);
+        free(p->hs);
+        free(p->gref);
+        free(p->main.gh);
+        free(p->bufs);
+        __atomic_store_n(&p->closing, 1, __ATOMIC_RELAXED);
     }
-    pthread_mutex_unlock(&pools_lock);
+    ph_leave(p, pushed);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
@@ -1814,7 +1884,7 @@ int ump_vmm_destroy(int id)
  * cuCtxSynchronize and every mapping step); a child forked meanwhile would
  * hang on it at its first free or lookup. common.c holds these locks across
  * fork() (rank UMP_FORK_POOLS). The pool list is stable while pools_lock is
- * held: pools are created and destroyed under it. */
+ * held: slots are taken and freed under it. */
 
 static void fork_prepare(void)
 {
@@ -1833,12 +1903,21 @@ static void fork_parent(void)
 }
 
 /* The child's only thread is the one that forked: no other holder exists,
- * so fresh locks are exact. */
+ * so fresh locks are exact, and every pin was another thread's. */
 static void fork_child(void)
 {
-    for (int id = 0; id < UMP_MAX_POOLS; id++)
-        if (pools[id].used)
-            pthread_mutex_init(&pools[id].lock, NULL);
+    for (int id = 0; id < UMP_MAX_POOLS; id++) {
+        pool_t *p = &pools[id];
+        if (!p->used)
+            continue;
+        p->users = 0;
+        if (p->closing) {
+            memset(p, 0, sizeof *p);
+            n_pools_used--;
+        } else {
+            pthread_mutex_init(&p->lock, NULL);
+        }
+    }
     pthread_mutex_init(&pools_lock, NULL);
 }
 
