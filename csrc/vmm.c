@@ -1244,20 +1244,29 @@ int ump_vmm_buffer_create(int id, uint64_t max_bytes)
     return status == UMP_OK ? buf : fail(status);
 }
 
-/* A buffer's address (fixed for its life) and the bytes in use. */
-int ump_vmm_buffer_info(int id, int buf, uintptr_t *ptr, uint64_t *size)
+/* The address of a buffer or view (fixed for its life) and its bytes in
+ * use or mapped; `get` finds region `idx` of its sort. */
+static int region_info(int id, region_t *(*get)(pool_t *, int), int idx, uintptr_t *ptr,
+                       uint64_t *size)
 {
+    if (!ptr || !size)
+        return fail(UMP_ERR_ARG);
     pool_t *p;
     int status = pool_enter(id, &p);
     if (status != UMP_OK)
         return fail(status);
-    region_t *r = buffer_get(p, buf);
+    region_t *r = get(p, idx);
     if (r) {
         *ptr = r->va;
         *size = r->size;
     }
     pool_leave(p);
     return r ? UMP_OK : fail(UMP_ERR_ARG);
+}
+
+int ump_vmm_buffer_info(int id, int buf, uintptr_t *ptr, uint64_t *size)
+{
+    return region_info(id, buffer_get, buf, ptr, size);
 }
 
 /* Unmap the handles of a region that lie wholly at or past granule `from`;
@@ -1762,19 +1771,7 @@ int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevi
 
 int ump_vmm_view_info(int id, int view, uintptr_t *ptr, uint64_t *size)
 {
-    if (!ptr || !size)
-        return fail(UMP_ERR_ARG);
-    pool_t *p;
-    int status = pool_enter(id, &p);
-    if (status != UMP_OK)
-        return fail(status);
-    region_t *r = view_get(p, view);
-    if (r) {
-        *ptr = r->va;
-        *size = r->size;
-    }
-    pool_leave(p);
-    return r ? UMP_OK : fail(UMP_ERR_ARG);
+    return region_info(id, view_get, view, ptr, size);
 }
 
 int ump_vmm_view_destroy(int id, int view)

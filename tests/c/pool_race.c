@@ -18,14 +18,7 @@
 #include <string.h>
 
 #include "../../csrc/ump.h"
-
-#define CHECK(cond)                                                           \
-    do {                                                                      \
-        if (!(cond)) {                                                        \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-            exit(1);                                                          \
-        }                                                                     \
-    } while (0)
+#include "check.h"
 
 enum { RACERS = 6, WARMUP = 20 };
 
