@@ -123,8 +123,10 @@ typedef struct {
 } pool_t;
 
 static pool_t pools[UMP_MAX_POOLS];
-/* Guards the slots (used, users; closing is also set under the pool's
- * lock); taken before any pool's lock, never while holding one. */
+/* Guards the slots (used, users; closing is set under the pool's lock too).
+ * Taken before a pool's lock, never while holding one, and held while
+ * waiting for one only by fork's prepare: a pool's lock may be held across
+ * a device synchronisation, which would stall every other pool's calls. */
 static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
 static int n_pools_used;
 
@@ -845,13 +847,21 @@ static void merge_streams(pool_t *p, uintptr_t stream)
  * (`users`) and then takes the pool's lock. Destroy frees what the pool
  * holds and marks it closing under the pool's lock; a call that pinned it
  * meanwhile sees that once it has the lock, and fails with UMP_ERR_HANDLE.
- * The slot (its lock, its id) goes with the last pin, under pools_lock,
- * which lookups and fork's prepare hold while they walk the slots. */
+ * The slot (its lock, its id) goes with the last pin, under pools_lock.
+ * Lookups pin the pools they ask the same way. */
 
-/* Let go of a pool from pool_enter: its lock, then the pin. */
-static void pool_leave(pool_t *p)
+/* Under pools_lock: pin the pool of a slot if it is open. */
+static int pool_pin(pool_t *p)
 {
-    pthread_mutex_unlock(&p->lock);
+    int open = p->used && !__atomic_load_n(&p->closing, __ATOMIC_RELAXED);
+    p->users += open;
+    return open;
+}
+
+/* Drop a pin taken under pools_lock; the last pin of a destroyed pool frees
+ * its slot. The pool's lock is not held. */
+static void pool_unpin(pool_t *p)
+{
     pthread_mutex_lock(&pools_lock);
     if (--p->users == 0 && __atomic_load_n(&p->closing, __ATOMIC_RELAXED)) {
         pthread_mutex_destroy(&p->lock);
@@ -859,6 +869,13 @@ static void pool_leave(pool_t *p)
         __atomic_fetch_sub(&n_pools_used, 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&pools_lock);
+}
+
+/* Let go of a pool from pool_enter: its lock, then the pin. */
+static void pool_leave(pool_t *p)
+{
+    pthread_mutex_unlock(&p->lock);
+    pool_unpin(p);
 }
 
 /* Pin pool `id` and take its lock. UMP_ERR_ARG for an id no pool can have,
@@ -870,9 +887,7 @@ static int pool_enter(int id, pool_t **out)
         return UMP_ERR_ARG;
     pool_t *p = &pools[id];
     pthread_mutex_lock(&pools_lock);
-    int open = p->used && !__atomic_load_n(&p->closing, __ATOMIC_RELAXED);
-    if (open)
-        p->users++;
+    int open = pool_pin(p);
     pthread_mutex_unlock(&pools_lock);
     if (!open)
         return UMP_ERR_HANDLE;
@@ -1797,14 +1812,23 @@ int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
 {
     if (!__atomic_load_n(&n_pools_used, __ATOMIC_ACQUIRE))
         return UMP_KIND_NONE;
-    int kind = UMP_KIND_NONE;
+    /* Pin the open pools, then ask each under its own lock alone: that lock
+     * may be held across a device synchronisation (see pools_lock). */
+    pool_t *open[UMP_MAX_POOLS];
+    int n = 0;
     pthread_mutex_lock(&pools_lock);
-    for (int id = 0; id < UMP_MAX_POOLS && kind == UMP_KIND_NONE; id++) {
-        pool_t *p = &pools[id];
-        if (!p->used)
+    for (int id = 0; id < UMP_MAX_POOLS; id++)
+        if (pool_pin(&pools[id]))
+            open[n++] = &pools[id];
+    pthread_mutex_unlock(&pools_lock);
+    int kind = UMP_KIND_NONE;
+    for (int k = 0; k < n; k++) {
+        pool_t *p = open[k];
+        if (kind != UMP_KIND_NONE) {
+            pool_unpin(p);
             continue;
+        }
         pthread_mutex_lock(&p->lock);
-        /* A destroyed pool keeps its slot while calls pin it: not its memory. */
         int region, found = 0;
         region_t *r = p->closing ? NULL : region_at(p, ptr, &region);
         if (r && region == 0) {
@@ -1824,11 +1848,10 @@ int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
         }
         if (found) {
             kind = p->provider == UMP_PROVIDER_HOST ? UMP_KIND_HOST : UMP_KIND_DEVICE;
-            *pool = id;
+            *pool = (int)(p - pools);
         }
-        pthread_mutex_unlock(&p->lock);
+        pool_leave(p);
     }
-    pthread_mutex_unlock(&pools_lock);
     return kind;
 }
 
