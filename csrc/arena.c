@@ -56,7 +56,7 @@ struct arena {
 
 /* One budget per kind: the NumPy-side and CuPy-side arenas of a backend
  * share its cap, so the cap bounds all the memory the backend holds. */
-static struct { uint64_t held, cap; } budgets[UMP_KIND_DEVICE + 1];
+static struct { uint64_t held, cap; } budgets[UMP_KIND_END];
 
 static arena_t *arenas[UMP_MAX_ARENAS];
 static int n_arenas;
@@ -384,10 +384,15 @@ static arena_t *arena_get(int id)
     return __atomic_load_n(&arenas[id], __ATOMIC_ACQUIRE);
 }
 
+/* Every flag of UMP_ARENA_FLAGS: those an arena may have. */
+#define FLAG_BIT(name, value) | (value)
+#define ALL_FLAGS (0 UMP_ARENA_FLAGS(FLAG_BIT))
+
 int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags)
 {
-    if (kind <= UMP_KIND_NONE || kind > UMP_KIND_DEVICE || provider < 0 ||
-        provider > UMP_PROVIDER_PINNED || (flags & ~(UMP_ARENA_ADVISE_HOST | UMP_ARENA_CUPY)))
+    /* Arenas take chunks from every provider but the VMM pools'. */
+    if (kind <= UMP_KIND_NONE || kind >= UMP_KIND_END || provider < 0 ||
+        provider > UMP_PROVIDER_PINNED || (flags & ~ALL_FLAGS))
         return ump__set_status(UMP_ERR_ARG);
     pthread_mutex_lock(&arenas_lock);
     /* Arenas live as long as the process: blocks may outlive disable(), and

@@ -22,33 +22,24 @@ struct constant {
 };
 
 #define CONSTANT(name) {#name, (long)(name)},
-#define ERROR_CONSTANT(name, value) CONSTANT(name)
+#define LISTED_CONSTANT(name, value) CONSTANT(name)
 
 static const struct constant constants[] = {
     {"ABI_VERSION", UMP_ABI_VERSION},
     CONSTANT(UMP_ALIGN)
     CONSTANT(UMP_MAX_ARENAS)
     CONSTANT(UMP_MAX_POOLS)
-    CONSTANT(UMP_PROVIDER_HOST)
-    CONSTANT(UMP_PROVIDER_MANAGED)
-    CONSTANT(UMP_PROVIDER_PINNED)
-    CONSTANT(UMP_PROVIDER_DEVICE)
-    CONSTANT(UMP_ARENA_ADVISE_HOST)
-    CONSTANT(UMP_ARENA_CUPY)
+    UMP_PROVIDERS(LISTED_CONSTANT)
+    UMP_ARENA_FLAGS(LISTED_CONSTANT)
     CONSTANT(UMP_OK)
-    UMP_ERRORS(ERROR_CONSTANT)
+    UMP_ERRORS(LISTED_CONSTANT)
     /* CUDA's statuses reach Python unchanged; this is the one it acts on. */
     CONSTANT(CUDA_ERROR_OUT_OF_MEMORY)
 };
 
 /* The names Python gives the kinds (ump.kind_of, Options.kind). */
-static const struct constant kinds[] = {
-    {"host", UMP_KIND_HOST},
-    {"system", UMP_KIND_SYSTEM},
-    {"managed", UMP_KIND_MANAGED},
-    {"pinned", UMP_KIND_PINNED},
-    {"device", UMP_KIND_DEVICE},
-};
+#define KIND(name, value, label) {label, name},
+static const struct constant kinds[] = {UMP_KINDS(KIND)};
 
 #define FIELD_NAME(name) #name,
 static const char *const stats_fields[] = {UMP_STATS_FIELDS(FIELD_NAME)};

@@ -27,22 +27,50 @@ extern "C" {
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
 #define UMP_ALIGN 512u
 
-/* Kinds of memory, as reported by ump_lookup(). */
+/* The kinds, providers and arena flags below, like the status codes, are
+ * each one X-macro list, which gives the C declarations and what the
+ * extension exports (module.c): a new one is written in one place. */
+
+/* Kinds of memory, as reported by ump_lookup(), in order of value, each with
+ * the name Python gives it (ump.kind_of, Options.kind). */
+#define UMP_KINDS(X)                                                              \
+    X(UMP_KIND_HOST, 1, "host")       /* host memory, no GPU in the process */    \
+    X(UMP_KIND_SYSTEM, 2, "system")   /* host memory on a SAM (HMM/ATS) system */ \
+    X(UMP_KIND_MANAGED, 3, "managed") /* cuMemAllocManaged */                     \
+    X(UMP_KIND_PINNED, 4, "pinned")   /* host memory, registered and mapped */    \
+    X(UMP_KIND_DEVICE, 5, "device")   /* device-only memory (VMM pool) */
+
 enum ump_kind {
-    UMP_KIND_NONE = 0,    /* not a live ump block */
-    UMP_KIND_HOST = 1,    /* plain host memory, no GPU in the process */
-    UMP_KIND_SYSTEM = 2,  /* plain host memory on a SAM (HMM/ATS) machine */
-    UMP_KIND_MANAGED = 3, /* cuMemAllocManaged */
-    UMP_KIND_PINNED = 4,  /* host memory registered with the GPU, mapped */
-    UMP_KIND_DEVICE = 5   /* device-only memory (VMM pool) */
+    UMP_KIND_NONE = 0, /* not a live ump block */
+#define UMP_KIND_ENUM(name, value, label) name = (value),
+    UMP_KINDS(UMP_KIND_ENUM)
+#undef UMP_KIND_ENUM
+    UMP_KIND_END       /* one past the last kind: the size of a table by kind */
 };
 
-/* Where an arena takes its chunks from. */
+/* Where an arena takes its chunks from, or a pool its physical memory. */
+#define UMP_PROVIDERS(X)                                                          \
+    X(UMP_PROVIDER_HOST, 0)    /* anonymous mmap */                               \
+    X(UMP_PROVIDER_MANAGED, 1) /* cuMemAllocManaged(CU_MEM_ATTACH_GLOBAL) */      \
+    X(UMP_PROVIDER_PINNED, 2)  /* mmap + cuMemHostRegister(DEVICEMAP) */          \
+    X(UMP_PROVIDER_DEVICE, 3)  /* VMM pools: cuMemCreate + cuMemMap */
+
 enum ump_provider {
-    UMP_PROVIDER_HOST = 0,     /* anonymous mmap */
-    UMP_PROVIDER_MANAGED = 1,  /* cuMemAllocManaged(..., CU_MEM_ATTACH_GLOBAL) */
-    UMP_PROVIDER_PINNED = 2,   /* anonymous mmap + cuMemHostRegister(DEVICEMAP) */
-    UMP_PROVIDER_DEVICE = 3    /* VMM pools: cuMemCreate + cuMemMap */
+#define UMP_PROVIDER_ENUM(name, value) name = (value),
+    UMP_PROVIDERS(UMP_PROVIDER_ENUM)
+#undef UMP_PROVIDER_ENUM
+};
+
+/* Flags of an arena (bits); arenas with the same kind, provider and flags
+ * are one. */
+#define UMP_ARENA_FLAGS(X)                                                        \
+    X(UMP_ARENA_ADVISE_HOST, 1) /* managed chunks advised to stay on the host */  \
+    X(UMP_ARENA_CUPY, 2)        /* CuPy's side: its own blocks and statistics */
+
+enum ump_arena_flag {
+#define UMP_ARENA_FLAG_ENUM(name, value) name = (value),
+    UMP_ARENA_FLAGS(UMP_ARENA_FLAG_ENUM)
+#undef UMP_ARENA_FLAG_ENUM
 };
 
 /* Status codes beyond CUDA's own CUresult values (which are >= 0). One list
@@ -97,9 +125,7 @@ int ump_set_numpy_arena(int arena);
 int ump_get_numpy_arena(void);
 
 /* --- arenas -------------------------------------------------------------- */
-/* Flags of an arena; arenas with the same kind, provider and flags are one. */
-#define UMP_ARENA_ADVISE_HOST 1 /* managed chunks advised to stay on the host */
-#define UMP_ARENA_CUPY 2        /* CuPy's side: its own blocks and statistics */
+/* flags: UMP_ARENA_FLAGS. */
 int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags);
 int ump_arena_set_cap(int arena, uint64_t cap_bytes);
 void *ump_arena_alloc(int arena, size_t size);
@@ -144,6 +170,8 @@ typedef struct { UMP_VMM_VIEW_TIMES_FIELDS(UMP_U64_FIELD) } ump_vmm_view_times_t
  * emulated physical layer (memfd) that runs without a GPU. ctx: the device's
  * primary context. limit 0: none. Returns a pool id or -1. */
 int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit);
+/* Only when no block, buffer or view is live. Every later call with the id
+ * fails with UMP_ERR_HANDLE, until ump_vmm_create hands the id out again. */
 int ump_vmm_destroy(int pool);
 uintptr_t ump_vmm_alloc(int pool, uint64_t size, uintptr_t stream);
 int ump_vmm_free(int pool, uintptr_t ptr);

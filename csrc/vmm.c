@@ -101,7 +101,9 @@ typedef struct {
 } region_t;
 
 typedef struct {
-    int used, provider, device, destroyed;
+    int used, provider, device;
+    int closing;       /* destroyed: its memory is gone, its slot still pinned */
+    int users;         /* pins: calls between resolving its id and letting go */
     void *ctx;
     uint64_t gran;
     pthread_mutex_t lock;
@@ -123,7 +125,11 @@ typedef struct {
 } pool_t;
 
 static pool_t pools[UMP_MAX_POOLS];
-static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER; /* before any pool's lock */
+/* Guards the slots (used, users; closing is set under the pool's lock too).
+ * Taken before a pool's lock, never while holding one, and held while
+ * waiting for one only by fork's prepare: a pool's lock may be held across
+ * a device synchronisation, which would stall every other pool's calls. */
+static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
 static int n_pools_used;
 
 static int fail(int status) { return ump__set_status(status); }
@@ -842,14 +848,68 @@ static void merge_streams(pool_t *p, uintptr_t stream)
     }
 }
 
-/* --- public API ---------------------------------------------------------- */
+/* --- pool ids ---------------------------------------------------------------
+ * A call turns a pool id into the pool, then takes the pool's lock, and a
+ * destroy may run between the two: it frees the pool's arrays and wipes its
+ * slot, so the call would lock a destroyed mutex and walk freed lists. So
+ * every call, destroy included, first pins the pool under pools_lock
+ * (`users`) and then takes the pool's lock. Destroy frees what the pool
+ * holds and marks it closing under the pool's lock; a call that pinned it
+ * meanwhile sees that once it has the lock, and fails with UMP_ERR_HANDLE.
+ * The slot (its lock, its id) goes with the last pin, under pools_lock.
+ * Lookups pin the pools they ask the same way. */
 
-static pool_t *pool_get(int id)
+/* Under pools_lock: pin the pool of a slot if it is open. */
+static int pool_pin(pool_t *p)
 {
-    if (id < 0 || id >= UMP_MAX_POOLS || !pools[id].used || pools[id].destroyed)
-        return NULL;
-    return &pools[id];
+    int open = p->used && !__atomic_load_n(&p->closing, __ATOMIC_RELAXED);
+    p->users += open;
+    return open;
 }
+
+/* Drop a pin taken under pools_lock; the last pin of a destroyed pool frees
+ * its slot. The pool's lock is not held. */
+static void pool_unpin(pool_t *p)
+{
+    pthread_mutex_lock(&pools_lock);
+    if (--p->users == 0 && __atomic_load_n(&p->closing, __ATOMIC_RELAXED)) {
+        pthread_mutex_destroy(&p->lock);
+        memset(p, 0, sizeof *p);
+        __atomic_fetch_sub(&n_pools_used, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&pools_lock);
+}
+
+/* Let go of a pool from pool_enter: its lock, then the pin. */
+static void pool_leave(pool_t *p)
+{
+    pthread_mutex_unlock(&p->lock);
+    pool_unpin(p);
+}
+
+/* Pin pool `id` and take its lock. UMP_ERR_ARG for an id no pool can have,
+ * UMP_ERR_HANDLE for one that names no open pool (never did, or destroyed). */
+static int pool_enter(int id, pool_t **out)
+{
+    *out = NULL;
+    if (id < 0 || id >= UMP_MAX_POOLS)
+        return UMP_ERR_ARG;
+    pool_t *p = &pools[id];
+    pthread_mutex_lock(&pools_lock);
+    int open = pool_pin(p);
+    pthread_mutex_unlock(&pools_lock);
+    if (!open)
+        return UMP_ERR_HANDLE;
+    pthread_mutex_lock(&p->lock);
+    if (p->closing) {
+        pool_leave(p);
+        return UMP_ERR_HANDLE;
+    }
+    *out = p;
+    return UMP_OK;
+}
+
+/* --- public API ---------------------------------------------------------- */
 
 int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit)
 {
@@ -925,14 +985,18 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
 
 uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
 {
-    pool_t *p = pool_get(id);
-    if (!p || size > p->main.ngran * p->gran) {
-        fail(UMP_ERR_ARG);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status == UMP_OK && size > p->main.ngran * p->gran) {
+        pool_leave(p);
+        status = UMP_ERR_ARG; /* past the reservation: no failure of the pool's */
+    }
+    if (status != UMP_OK) {
+        fail(status);
         return 0;
     }
     uint64_t need = size ? (size + UMP_ALIGN - 1) / UMP_ALIGN * UMP_ALIGN : UMP_ALIGN;
-    pthread_mutex_lock(&p->lock);
-    int status = UMP_OK;
+    uintptr_t ptr = 0;
     blk_t *b = NULL;
     sbins_t *sb = bins_for(p, stream, 1);
     if (!sb) {
@@ -990,28 +1054,27 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
         p->st.peak_used_bytes = p->st.used_bytes;
     if (p->st.current_count > p->st.peak_count)
         p->st.peak_count = p->st.current_count;
+    ptr = p->main.va + b->off;
 out:
     if (status != UMP_OK)
         p->st.failures++;
-    pthread_mutex_unlock(&p->lock);
-    if (!b) {
+    pool_leave(p);
+    if (!ptr)
         fail(status);
-        return 0;
-    }
-    return p->main.va + b->off;
+    return ptr;
 }
 
 int ump_vmm_free(int id, uintptr_t ptr)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     uint64_t off = ptr - p->main.va;
     size_t i = live_find(p, off);
     if (ptr < p->main.va || i == p->nlive || p->live[i]->off != off) {
         p->st.bad_frees++;
-        pthread_mutex_unlock(&p->lock);
+        pool_leave(p);
         return fail(UMP_ERR_ARG);
     }
     blk_t *b = p->live[i];
@@ -1021,48 +1084,51 @@ int ump_vmm_free(int id, uintptr_t ptr)
     p->st.used_bytes -= b->size;
     p->st.current_count--;
     release_blk(p, b);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return UMP_OK;
 }
 
 int ump_vmm_trim(int id, int keep_handles)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    int pushed, status = ph_enter(p, &pushed);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    int pushed;
+    status = ph_enter(p, &pushed);
     if (status == UMP_OK) {
         scavenge(p);
         if (!keep_handles)
             release_cached(p, 0);
     }
     ph_leave(p, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 int ump_vmm_set_limit(int id, uint64_t limit)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     p->st.limit_bytes = limit;
     if (limit && p->st.physical_bytes > limit && ump__cuda_ready() == UMP_OK) {
         scavenge(p);
         release_cached(p, 0);
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return UMP_OK;
 }
 
 int ump_vmm_stats(int id, ump_vmm_stats_t *out)
 {
-    pool_t *p = pool_get(id);
-    if (!p || !out)
+    if (!out)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     *out = p->st;
     out->cached_bytes = p->st.physical_bytes - p->st.mapped_bytes - p->st.shared_bytes;
     uint64_t idle = 0;
@@ -1073,7 +1139,7 @@ int ump_vmm_stats(int id, ump_vmm_stats_t *out)
     out->handles = 0;
     for (size_t i = 0; i < p->nh; i++)
         out->handles += p->hs[i].ngran != 0;
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return UMP_OK;
 }
 
@@ -1097,11 +1163,12 @@ static int grant_region(pool_t *p, region_t *r)
 
 int ump_vmm_grant(int id, int device)
 {
-    pool_t *p = pool_get(id);
-    if (!p || device < 0)
+    if (device < 0)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    int status = UMP_OK;
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int i;
     for (i = 0; i < p->ndev; i++)
         if (p->devs[i] == device)
@@ -1123,20 +1190,20 @@ int ump_vmm_grant(int id, int device)
                 p->ndev--;
         }
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 int ump_vmm_devices(int id, int *out, int max)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int n = p->ndev;
     for (int i = 0; i < n && i < max; i++)
         out[i] = p->devs[i];
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return n;
 }
 
@@ -1189,30 +1256,41 @@ static int region_open(pool_t *p, int kind, uint64_t ngran, int *idx)
 
 int ump_vmm_buffer_create(int id, uint64_t max_bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p || max_bytes == 0 || max_bytes > ((uint64_t)1 << 47))
+    if (max_bytes == 0 || max_bytes > ((uint64_t)1 << 47))
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int buf = -1;
-    int status = region_open(p, REGION_BUFFER, (max_bytes + p->gran - 1) / p->gran, &buf);
-    pthread_mutex_unlock(&p->lock);
+    status = region_open(p, REGION_BUFFER, (max_bytes + p->gran - 1) / p->gran, &buf);
+    pool_leave(p);
     return status == UMP_OK ? buf : fail(status);
 }
 
-/* A buffer's address (fixed for its life) and the bytes in use. */
-int ump_vmm_buffer_info(int id, int buf, uintptr_t *ptr, uint64_t *size)
+/* The address of a buffer or view (fixed for its life) and its bytes in
+ * use or mapped; `get` finds region `idx` of its sort. */
+static int region_info(int id, region_t *(*get)(pool_t *, int), int idx, uintptr_t *ptr,
+                       uint64_t *size)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
+    if (!ptr || !size)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    region_t *r = buffer_get(p, buf);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    region_t *r = get(p, idx);
     if (r) {
         *ptr = r->va;
         *size = r->size;
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return r ? UMP_OK : fail(UMP_ERR_ARG);
+}
+
+int ump_vmm_buffer_info(int id, int buf, uintptr_t *ptr, uint64_t *size)
+{
+    return region_info(id, buffer_get, buf, ptr, size);
 }
 
 /* Unmap the handles of a region that lie wholly at or past granule `from`;
@@ -1229,12 +1307,11 @@ static void unmap_from(pool_t *p, int region, uint64_t from)
 
 int ump_vmm_buffer_resize(int id, int buf, uint64_t bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = buffer_get(p, buf);
-    int status = UMP_OK;
     if (!r || bytes > r->ngran * p->gran) {
         status = UMP_ERR_ARG; /* past its reservation the address would change */
     } else {
@@ -1255,19 +1332,18 @@ int ump_vmm_buffer_resize(int id, int buf, uint64_t bytes)
     }
     if (status != UMP_OK)
         p->st.failures++;
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 int ump_vmm_buffer_destroy(int id, int buf)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&pools_lock); /* lookups read buffers under it */
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = buffer_get(p, buf);
-    int status = r ? ph_sync(p) : UMP_ERR_ARG;
+    status = r ? ph_sync(p) : UMP_ERR_ARG;
     if (status == UMP_OK) {
         int pushed;
         unmap_from(p, buf + 1, 0);
@@ -1279,8 +1355,7 @@ int ump_vmm_buffer_destroy(int id, int buf)
         free(r->gh);
         memset(r, 0, sizeof *r);
     }
-    pthread_mutex_unlock(&p->lock);
-    pthread_mutex_unlock(&pools_lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
@@ -1359,11 +1434,13 @@ static region_t *region_at(pool_t *p, uintptr_t ptr, int *region)
 
 int ump_vmm_migrate(int id, uintptr_t ptr, uint64_t bytes, int device)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || device < 0)
+    if (bytes == 0 || device < 0)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    int region, status = UMP_OK, granted = 0;
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    int region, granted = 0;
     region_t *r = region_at(p, ptr, &region);
     for (int d = 0; d < p->ndev; d++)
         granted |= p->devs[d] == device;
@@ -1390,17 +1467,19 @@ int ump_vmm_migrate(int id, uintptr_t ptr, uint64_t bytes, int device)
             status = migrate_handle(p, i, device);
     }
     ph_leave(p, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 /* The device each byte of [ptr, ptr+bytes) lives on, if one; -1 if mixed. */
 int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0)
+    if (bytes == 0)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int region, dev = -2;
     region_t *r = region_at(p, ptr, &region);
     if (r && ptr + bytes <= r->va + r->ngran * p->gran) {
@@ -1409,7 +1488,7 @@ int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
             dev = dev == -2 ? d : (dev == d ? dev : -1);
         }
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     if (dev < -1)
         return fail(UMP_ERR_ARG);
     return dev;
@@ -1553,49 +1632,60 @@ static uint64_t granules(pool_t *p, uint64_t bytes) { return (bytes + p->gran - 
 
 int ump_vmm_shared_create(int id, uint64_t bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || bytes > ((uint64_t)1 << 47))
+    if (bytes == 0 || bytes > ((uint64_t)1 << 47))
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     int v, pushed;
     int64_t i;
-    int status = view_begin(p, REGION_SHARED, granules(p, bytes), &v, &pushed);
+    status = view_begin(p, REGION_SHARED, granules(p, bytes), &v, &pushed);
     if (status == UMP_OK)
         status = view_handle(p, v, granules(p, bytes), p->device, 1, &i);
     if (status == UMP_OK)
         status = view_map(p, v, 0, i);
     status = view_end(p, v, status, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
 int ump_vmm_export(int id, int view, int *fd)
 {
-    pool_t *p = pool_get(id);
-    if (!p || !fd)
+    if (!fd)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = view_get(p, view);
-    int pushed = 0, status = r && r->kind == REGION_SHARED ? ph_enter(p, &pushed) : UMP_ERR_ARG;
+    int pushed = 0;
+    status = r && r->kind == REGION_SHARED ? ph_enter(p, &pushed) : UMP_ERR_ARG;
     if (status == UMP_OK)
         status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_export(p, p->hs[r->gh[0]].h, fd);
     if (status == UMP_OK)
         p->st.exports++;
     ph_leave(p, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
 {
-    pool_t *p = pool_get(id);
-    if (!p || fd < 0 || bytes == 0 || bytes % p->gran || bytes > ((uint64_t)1 << 47))
-        return fail(p && fd >= 0 && bytes ? UMP_ERR_HANDLE : UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    if (fd < 0 || bytes == 0)
+        return fail(UMP_ERR_ARG);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    if (bytes % p->gran || bytes > ((uint64_t)1 << 47)) {
+        pool_leave(p);
+        return fail(UMP_ERR_HANDLE); /* not the size of any memory we export */
+    }
     int v, pushed;
     int64_t i = -1;
     uint64_t h;
-    int status = view_begin(p, REGION_IMPORTED, bytes / p->gran, &v, &pushed);
+    status = view_begin(p, REGION_IMPORTED, bytes / p->gran, &v, &pushed);
     if (status == UMP_OK) {
         uint64_t t0 = now_ns();
         status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_import(p, fd, bytes, &h, &device);
@@ -1611,7 +1701,7 @@ int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
     if (status == UMP_OK)
         status = view_map(p, v, 0, i);
     status = view_end(p, v, status, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
@@ -1620,15 +1710,17 @@ int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
  * spans the handles' granules; *alias is where ptr appears in it. */
 int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || !alias)
+    if (bytes == 0 || !alias)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     uint64_t off = ptr - p->main.va;
     size_t k = ptr >= p->main.va ? live_find(p, off + 1) : 0;
     blk_t *b = k ? p->live[k - 1] : NULL;
     if (!b || off + bytes > b->off + b->size || off + bytes < off) {
-        pthread_mutex_unlock(&p->lock);
+        pool_leave(p);
         return fail(UMP_ERR_ARG); /* not inside one live block */
     }
     /* A live block's granules are all backed (touch mapped them). */
@@ -1636,7 +1728,7 @@ int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias
     handle_t *last = &p->hs[p->main.gh[(off + bytes - 1) / p->gran]];
     uint64_t a0 = first->at, a1 = last->at + last->ngran;
     int v, pushed;
-    int status = view_begin(p, REGION_ALIAS, a1 - a0, &v, &pushed);
+    status = view_begin(p, REGION_ALIAS, a1 - a0, &v, &pushed);
     for (uint64_t g = a0; g < a1 && status == UMP_OK;) {
         int64_t i = p->main.gh[g];
         status = view_map(p, v, g - a0, i);
@@ -1645,7 +1737,7 @@ int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias
     status = view_end(p, v, status, pushed);
     if (status == UMP_OK)
         *alias = p->bufs[v].va + (off - a0 * p->gran);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
@@ -1653,14 +1745,20 @@ int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias
  * va + bytes: byte i and byte i + bytes are the same memory. */
 int ump_vmm_ring_create(int id, uint64_t bytes)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || bytes % p->gran || bytes > ((uint64_t)1 << 46))
+    if (bytes == 0 || bytes > ((uint64_t)1 << 46))
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    if (bytes % p->gran) {
+        pool_leave(p);
+        return fail(UMP_ERR_ARG);
+    }
     uint64_t n = bytes / p->gran;
     int v, pushed;
     int64_t i;
-    int status = view_begin(p, REGION_RING, 2 * n, &v, &pushed);
+    status = view_begin(p, REGION_RING, 2 * n, &v, &pushed);
     if (status == UMP_OK)
         status = view_handle(p, v, n, p->device, 0, &i);
     if (status == UMP_OK)
@@ -1668,7 +1766,7 @@ int ump_vmm_ring_create(int id, uint64_t bytes)
     if (status == UMP_OK)
         status = view_map(p, v, n, i);
     status = view_end(p, v, status, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
@@ -1676,12 +1774,13 @@ int ump_vmm_ring_create(int id, uint64_t bytes)
  * to all of it. The devices must have been granted access to the pool. */
 int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevices)
 {
-    pool_t *p = pool_get(id);
-    if (!p || bytes == 0 || bytes > ((uint64_t)1 << 47) || !devices || ndevices < 1 ||
+    if (bytes == 0 || bytes > ((uint64_t)1 << 47) || !devices || ndevices < 1 ||
         ndevices > MAX_DEVICES)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    int status = UMP_OK;
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     for (int d = 0; d < ndevices; d++) {
         int granted = 0;
         for (int k = 0; k < p->ndev; k++)
@@ -1690,7 +1789,7 @@ int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevi
             status = UMP_ERR_ARG;
     }
     if (status != UMP_OK) {
-        pthread_mutex_unlock(&p->lock);
+        pool_leave(p);
         return fail(status); /* grant them access first */
     }
     int v, pushed;
@@ -1702,54 +1801,44 @@ int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevi
             status = view_map(p, v, g, i);
     }
     status = view_end(p, v, status, pushed);
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return status == UMP_OK ? v : fail(status);
 }
 
 int ump_vmm_view_info(int id, int view, uintptr_t *ptr, uint64_t *size)
 {
-    pool_t *p = pool_get(id);
-    if (!p || !ptr || !size)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
-    region_t *r = view_get(p, view);
-    if (r) {
-        *ptr = r->va;
-        *size = r->size;
-    }
-    pthread_mutex_unlock(&p->lock);
-    return r ? UMP_OK : fail(UMP_ERR_ARG);
+    return region_info(id, view_get, view, ptr, size);
 }
 
 int ump_vmm_view_times(int id, int view, ump_vmm_view_times_t *out)
 {
-    pool_t *p = pool_get(id);
-    if (!p || !out)
+    if (!out)
         return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&p->lock);
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
     region_t *r = view_get(p, view);
     if (r)
         *out = r->times;
-    pthread_mutex_unlock(&p->lock);
+    pool_leave(p);
     return r ? UMP_OK : fail(UMP_ERR_ARG);
 }
 
 int ump_vmm_view_destroy(int id, int view)
 {
-    pool_t *p = pool_get(id);
-    if (!p)
-        return fail(UMP_ERR_ARG);
-    pthread_mutex_lock(&pools_lock); /* as buffers: lookups read regions under it */
-    pthread_mutex_lock(&p->lock);
-    int status = view_get(p, view) ? ph_sync(p) : UMP_ERR_ARG;
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    status = view_get(p, view) ? ph_sync(p) : UMP_ERR_ARG;
     if (status == UMP_OK) {
         int pushed;
         ph_enter(p, &pushed);
         view_close(p, view);
         ph_leave(p, pushed);
     }
-    pthread_mutex_unlock(&p->lock);
-    pthread_mutex_unlock(&pools_lock);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
@@ -1759,15 +1848,25 @@ int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
 {
     if (!__atomic_load_n(&n_pools_used, __ATOMIC_ACQUIRE))
         return UMP_KIND_NONE;
-    int kind = UMP_KIND_NONE;
+    /* Pin the open pools, then ask each under its own lock alone: that lock
+     * may be held across a device synchronisation (see pools_lock). */
+    pool_t *open[UMP_MAX_POOLS];
+    int n = 0;
     pthread_mutex_lock(&pools_lock);
-    for (int id = 0; id < UMP_MAX_POOLS && kind == UMP_KIND_NONE; id++) {
-        pool_t *p = &pools[id];
-        if (!p->used || p->destroyed)
+    for (int id = 0; id < UMP_MAX_POOLS; id++)
+        if (pool_pin(&pools[id]))
+            open[n++] = &pools[id];
+    pthread_mutex_unlock(&pools_lock);
+    int kind = UMP_KIND_NONE;
+    for (int k = 0; k < n; k++) {
+        pool_t *p = open[k];
+        if (kind != UMP_KIND_NONE) {
+            pool_unpin(p);
             continue;
+        }
         pthread_mutex_lock(&p->lock);
         int region, found = 0;
-        region_t *r = region_at(p, ptr, &region);
+        region_t *r = p->closing ? NULL : region_at(p, ptr, &region);
         if (r && region == 0) {
             size_t i = live_find(p, ptr - r->va + 1);
             if (i > 0) {
@@ -1785,61 +1884,54 @@ int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
         }
         if (found) {
             kind = p->provider == UMP_PROVIDER_HOST ? UMP_KIND_HOST : UMP_KIND_DEVICE;
-            *pool = id;
+            *pool = (int)(p - pools);
         }
-        pthread_mutex_unlock(&p->lock);
+        pool_leave(p);
     }
-    pthread_mutex_unlock(&pools_lock);
     return kind;
 }
 
-/* Give everything back: only when no block or buffer is live. */
+/* Give everything back: only when no block or buffer is live. Destroy
+ * pins the pool like any call, so it never holds pools_lock while it waits
+ * for the pool's lock, and the slot goes with the last pin (pool ids). */
 int ump_vmm_destroy(int id)
 {
-    pthread_mutex_lock(&pools_lock);
-    pool_t *p = pool_get(id);
-    int status = p ? UMP_OK : UMP_ERR_ARG;
-    if (p) {
-        pthread_mutex_lock(&p->lock);
-        for (int b = 0; b < p->nbufs; b++)
-            if (p->bufs[b].live)
-                status = UMP_ERR_ARG;
-        if (p->nlive)
+    pool_t *p;
+    int status = pool_enter(id, &p);
+    if (status != UMP_OK)
+        return fail(status);
+    for (int b = 0; b < p->nbufs; b++)
+        if (p->bufs[b].live)
             status = UMP_ERR_ARG;
-        int pushed = 0;
-        if (status == UMP_OK)
-            status = ph_enter(p, &pushed);
-        if (status == UMP_OK)
-            status = ph_sync(p);
-        if (status == UMP_OK) {
-            for (size_t i = 0; i < p->nh; i++)
-                if (p->hs[i].ngran && p->hs[i].region >= 0)
-                    handle_unmap(p, (int64_t)i);
-            release_cached(p, 0);
-            ph_unreserve(p, p->main.va, p->main.ngran * p->gran);
-            blk_t *b = p->last;
-            while (b) {
-                blk_t *q = b->prev;
-                free(b);
-                b = q;
-            }
-            free(p->sb);
-            free(p->live);
-            free(p->hs);
-            free(p->gref);
-            free(p->main.gh);
-            free(p->bufs);
-            p->destroyed = 1;
+    if (p->nlive)
+        status = UMP_ERR_ARG;
+    int pushed = 0;
+    if (status == UMP_OK)
+        status = ph_enter(p, &pushed);
+    if (status == UMP_OK)
+        status = ph_sync(p);
+    if (status == UMP_OK) {
+        for (size_t i = 0; i < p->nh; i++)
+            if (p->hs[i].ngran && p->hs[i].region >= 0)
+                handle_unmap(p, (int64_t)i);
+        release_cached(p, 0);
+        ph_unreserve(p, p->main.va, p->main.ngran * p->gran);
+        blk_t *b = p->last;
+        while (b) {
+            blk_t *q = b->prev;
+            free(b);
+            b = q;
         }
-        ph_leave(p, pushed);
-        pthread_mutex_unlock(&p->lock);
-        if (status == UMP_OK) {
-            pthread_mutex_destroy(&p->lock);
-            memset(p, 0, sizeof *p);
-            __atomic_fetch_sub(&n_pools_used, 1, __ATOMIC_RELEASE);
-        }
+        free(p->sb);
+        free(p->live);
+        free(p->hs);
+        free(p->gref);
+        free(p->main.gh);
+        free(p->bufs);
+        __atomic_store_n(&p->closing, 1, __ATOMIC_RELAXED);
     }
-    pthread_mutex_unlock(&pools_lock);
+    ph_leave(p, pushed);
+    pool_leave(p);
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
@@ -1848,7 +1940,7 @@ int ump_vmm_destroy(int id)
  * cuCtxSynchronize and every mapping step); a child forked meanwhile would
  * hang on it at its first free or lookup. common.c holds these locks across
  * fork() (rank UMP_FORK_POOLS). The pool list is stable while pools_lock is
- * held: pools are created and destroyed under it. */
+ * held: slots are taken and freed under it. */
 
 static void fork_prepare(void)
 {
@@ -1867,12 +1959,21 @@ static void fork_parent(void)
 }
 
 /* The child's only thread is the one that forked: no other holder exists,
- * so fresh locks are exact. */
+ * so fresh locks are exact, and every pin was another thread's. */
 static void fork_child(void)
 {
-    for (int id = 0; id < UMP_MAX_POOLS; id++)
-        if (pools[id].used)
-            pthread_mutex_init(&pools[id].lock, NULL);
+    for (int id = 0; id < UMP_MAX_POOLS; id++) {
+        pool_t *p = &pools[id];
+        if (!p->used)
+            continue;
+        p->users = 0;
+        if (p->closing) {
+            memset(p, 0, sizeof *p);
+            n_pools_used--;
+        } else {
+            pthread_mutex_init(&p->lock, NULL);
+        }
+    }
     pthread_mutex_init(&pools_lock, NULL);
 }
 

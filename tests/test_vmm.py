@@ -347,3 +347,17 @@ def test_bad_input(pool):
     pool.close()
     assert ump.kind_of(q) is None
     pool.close()  # twice is fine
+
+
+def test_a_destroyed_pools_id_is_a_stale_handle(pool):
+    """Once its pool is destroyed, an id fails every call with UMP_ERR_HANDLE;
+    an id no pool can have is a bad argument."""
+    pool_id = pool.id
+    pool.close()
+    st = _core._CVmmStats()
+    assert _core.vmm_alloc(pool_id, 512, 0) == 0 and _core.last_status() == _core.ERR_HANDLE
+    assert _core.vmm_free(pool_id, 4096) == _core.ERR_HANDLE
+    assert _core.vmm_stats(pool_id, ctypes.byref(st)) == _core.ERR_HANDLE
+    assert _core.vmm_destroy(pool_id) == _core.ERR_HANDLE
+    assert _core.vmm_stats(-1, ctypes.byref(st)) == _core.ERR_ARG
+    assert _core.vmm_stats(_core.MAX_POOLS, ctypes.byref(st)) == _core.ERR_ARG

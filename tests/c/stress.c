@@ -18,14 +18,7 @@
 #include <unistd.h>
 
 #include "../../csrc/ump.h"
-
-#define CHECK(cond)                                                           \
-    do {                                                                      \
-        if (!(cond)) {                                                        \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-            exit(1);                                                          \
-        }                                                                     \
-    } while (0)
+#include "check.h"
 
 enum { THREADS = 8, LIVE = 64 };
 static long ops_per_thread = 200000;
