@@ -275,8 +275,11 @@ def _numpy_as_cupy():
 
     rng = np.random.default_rng(0)
     runtime = types.SimpleNamespace(deviceSynchronize=lambda: None)
+    def same(a):  # ump's hand-off keeps the memory: a kernel's writes show on the host side
+        return a
+
     return types.SimpleNamespace(
-        asarray=np.array, asnumpy=np.array, float32=np.float32,
+        asarray=same, asnumpy=same, float32=np.float32,
         random=types.SimpleNamespace(random=lambda n, dtype: rng.random(n, dtype=dtype)),
         cuda=types.SimpleNamespace(runtime=runtime))
 
@@ -288,3 +291,18 @@ def test_workflows_check_what_the_host_reads(monkeypatch, name):
     out = run(1, True) if name == "_pass" else run(True)
     assert len(out["cpu"]) == 3 and min(out["cpu"]) > 0 and out["gpu"] == []
 
+
+
+def test_a_run_of_every_suite_leaves_out_those_run_on_request(monkeypatch):
+    """The Dask workflow takes minutes: only `--suites dask` runs it."""
+    asked = []
+
+    def worker(cmd, **kw):
+        asked.append(cmd[4].split(","))
+        return subprocess.CompletedProcess(cmd, 0, stdout="{}", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", worker)
+    err = io.StringIO()
+    bench.run(configs=["stock"], rounds=1, progress=err)
+    assert asked and all("dask" not in suites for suites in asked)
+    assert "suite dask runs only when named (--suites dask)" in err.getvalue()

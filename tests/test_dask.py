@@ -275,10 +275,10 @@ def test_workflow_command_line_and_bench_cases(cpu_only, tmp_path):
     from ump.bench import cases
 
     got = cases.dask_cases(report)
-    assert set(got) == {"dask 0.00391GiB, 1 GPU: without ump", "dask 0.00391GiB, 1 GPU: ump (host)",
-                        "dask 0.00391GiB, 2 GPUs: without ump", "dask 0.00391GiB, 2 GPUs: ump (host)"}
-    two = got["dask 0.00391GiB, 2 GPUs: ump (host)"]["metrics"]
-    assert {"GiB/s", "speed-up vs stock", "speed-up vs 1 GPU"} == set(two)
+    assert set(got) == {"dask 0.00391GiB, 1 worker: without ump", "dask 0.00391GiB, 1 worker: ump (host)",
+                        "dask 0.00391GiB, 2 workers: without ump", "dask 0.00391GiB, 2 workers: ump (host)"}
+    two = got["dask 0.00391GiB, 2 workers: ump (host)"]["metrics"]
+    assert {"GiB/s", "speed-up vs stock", "speed-up vs 1 worker"} == set(two)
 
 
 def test_workflow_command_line_rejects_what_it_cannot_run(tmp_path):

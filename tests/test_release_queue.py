@@ -67,3 +67,23 @@ def test_too_many_entries_drain():
     for a in arrays:
         queue.defer(a, 0)
     assert log == [("enter", 0), ("sync",)] and len(queue) == 0
+
+
+def test_views_count_as_the_array_that_owns_their_memory():
+    log = []
+    queue = ReleaseQueue(_fake_cupy(log))
+    queue.MAX_PENDING_BYTES = 1000
+    x = np.ones((20, 10))  # 1600 bytes the program holds
+    for _ in range(3):
+        queue.defer(x.T, 0)  # a temporary view, dropped by CuPy and by the program
+        queue.defer(x[::2], 0)
+    # Held once, by its owner: waiting for the device would free nothing.
+    assert log == [] and len(queue._held) == 1 and queue._bytes == x.nbytes
+    y = np.ones(1)
+    queue.defer(y, 0)  # a new array: counted again, x is still held
+    del x  # now only the queue holds x, but no new array comes to say so
+    for _ in range(queue.RECOUNT_EVERY - 1):
+        queue.defer(y, 0)
+    assert log == []  # counting walks every array: not at each view
+    queue.defer(y, 0)
+    assert log == [("enter", 0), ("sync",)] and not queue._held

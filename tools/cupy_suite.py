@@ -34,6 +34,8 @@ def outcomes(xml_path: pathlib.Path) -> dict[str, str]:
     with opener(xml_path, "rb") as f:
         root = ET.parse(f).getroot()
     for case in root.iter("testcase"):
+        if not case.get("classname") or not case.get("name"):
+            continue  # the empty entry an interrupted run ends with
         name = f"{case.get('classname')}::{case.get('name')}"
         kinds = {child.tag for child in case}
         result[name] = ("failed" if kinds & {"failure", "error"} else
@@ -101,6 +103,8 @@ def main(argv):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        if not xml.exists():
+            raise SystemExit(f"{name}: pytest left no results ({xml}); its log: {log}")
         runs[label] = outcomes(xml)
         print(f"{name}: {_counts(runs[label])} (passed / failed / skipped)", flush=True)
     if len(runs) == 2:

@@ -13,6 +13,8 @@ import gc
 import sys
 import threading
 
+import numpy
+
 from . import _core
 
 __all__ = ["ReleaseQueue", "UnifiedUpstream", "Lease"]
@@ -21,6 +23,36 @@ __all__ = ["ReleaseQueue", "UnifiedUpstream", "Lease"]
 #: cudaMalloc finds no memory (CuPy 14's runtime module does not export the
 #: name).
 CUDA_ERROR_MEMORY_ALLOCATION = 2
+
+
+def _owner(array):
+    """The outermost NumPy array whose memory ``array`` views (itself if none)."""
+    while isinstance(array.base, numpy.ndarray):
+        array = array.base
+    return array
+
+
+def _refs_beyond_entries(held: dict):
+    """(array, references to it beyond its pending entries) for each array of
+    a queue's ``held`` map, counted before it is handed to the caller."""
+    for entries, array in held.values():
+        yield array, sys.getrefcount(array) - entries
+
+
+def _queue_refs() -> int:
+    """What :func:`_refs_beyond_entries` reports for an array nothing but the
+    queue refers to: the queue's own references (its ``held`` entry, the
+    count's locals), measured once on this interpreter, whose reference
+    accounting differs between versions."""
+    probe = numpy.empty(1)
+    held, pending = {id(probe): [1, probe]}, collections.deque([(1, probe)])
+    del probe
+    ((_, refs),) = _refs_beyond_entries(held)
+    del pending
+    return refs
+
+
+_QUEUE_REFS = _queue_refs()
 
 
 class ReleaseQueue:
@@ -40,7 +72,12 @@ class ReleaseQueue:
     #: Bytes of arrays that only the queue still holds before a drain: an
     #: array the program holds too costs no memory here (a loop handing one
     #: array to CuPy again and again drains once per MAX_PENDING views).
+    #: An array is counted by the array that owns its memory, so views of
+    #: one base the program holds (``x.T``, ``x[::2]``) cost nothing either.
     MAX_PENDING_BYTES = 256 << 20
+    #: Views deferred between two counts of what only the queue holds, when
+    #: no new array came: a count walks every array held.
+    RECOUNT_EVERY = 64
 
     _shared: dict = {}
 
@@ -54,37 +91,39 @@ class ReleaseQueue:
     def __init__(self, cupy):
         self.cupy = cupy
         self._pending: dict[int, collections.deque] = {}  # device -> (sequence, array)
-        self._held: dict[int, list] = {}  # id(array) -> [entries pending, array]
+        self._held: dict[int, list] = {}  # id(owner) -> [entries pending, owner]
         self._count = 0
         self._bytes = 0
+        self._counted_at = None  # self._count at the last count of bytes only held here
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._pending.values())
 
     def defer(self, array, device: int) -> None:
+        owner = _owner(array)  # holding it keeps the view's memory alive
         with self._lock:
             self._count += 1
-            held = self._held.get(id(array))
+            held = self._held.get(id(owner))
             if held is None:
-                held = self._held[id(array)] = [0, array]
-                self._bytes += array.nbytes
+                held = self._held[id(owner)] = [0, owner]
+                self._bytes += owner.nbytes
+                self._counted_at = None  # a new array: count again
             held[0] += 1
-            self._pending.setdefault(device, collections.deque()).append((self._count, array))
-            full = len(self) > self.MAX_PENDING or (
-                self._bytes > self.MAX_PENDING_BYTES and self._only_held_bytes() > self.MAX_PENDING_BYTES)
+            self._pending.setdefault(device, collections.deque()).append((self._count, owner))
+            full = len(self) > self.MAX_PENDING or self._over_bytes()
         if full:
             self.drain()
 
-    def _only_held_bytes(self) -> int:
-        """Bytes of the arrays nothing but the queue refers to (under the lock)."""
-        total = 0
-        for entries, array in self._held.values():
-            # References: one per pending entry, the _held entry, `array`
-            # here and getrefcount's argument.
-            if sys.getrefcount(array) <= entries + 3:
-                total += array.nbytes
-        return total
+    def _over_bytes(self) -> bool:
+        """Whether the arrays only the queue holds are past the bound (under the lock)."""
+        if self._bytes <= self.MAX_PENDING_BYTES:
+            return False
+        if self._counted_at is not None and self._count - self._counted_at < self.RECOUNT_EVERY:
+            return False
+        self._counted_at = self._count
+        only_here = sum(owner.nbytes for owner, refs in _refs_beyond_entries(self._held) if refs <= _QUEUE_REFS)
+        return only_here > self.MAX_PENDING_BYTES
 
     def mark(self) -> int:
         """Call before a device-wide wait; pass the result to :meth:`synchronized`."""
@@ -96,12 +135,12 @@ class ReleaseQueue:
         with self._lock:
             queue = self._pending.get(device)
             while queue and queue[0][0] <= mark:
-                array = queue.popleft()[1]
-                held = self._held[id(array)]
+                owner = queue.popleft()[1]
+                held = self._held[id(owner)]
                 held[0] -= 1
                 if not held[0]:
-                    del self._held[id(array)]
-                    self._bytes -= array.nbytes
+                    del self._held[id(owner)]
+                    self._bytes -= owner.nbytes
 
     def wait_for(self, device: int | None = None) -> None:
         """Wait for all of ``device``'s work (the current device's if None),

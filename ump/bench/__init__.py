@@ -21,7 +21,7 @@ import sys
 import time
 
 from .. import _probe, backends
-from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, NEEDS
+from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, NEEDS, ON_REQUEST
 
 __all__ = ["ArgumentError", "configurations", "run", "compare", "table", "plot", "overhead"]
 
@@ -115,7 +115,10 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
     if configs:
         _check_names("configuration", configs, KNOWN_CONFIGS, configurations(caps, smoke=False), config_why_not)
     if suites is None:
-        suites = runnable_suites
+        suites = [s for s in runnable_suites if s not in ON_REQUEST]
+        for suite in ON_REQUEST:
+            print(f"suite {suite} runs only when named (--suites {suite}): {ON_REQUEST[suite]}",
+                  file=progress, flush=True)
         if missing is not None:
             print(f"GPU suites skipped ({', '.join(GPU_SUITES)}): {missing}", file=progress, flush=True)
         for suite in (*CPU_SUITES, *GPU_SUITES):
