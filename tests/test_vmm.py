@@ -361,3 +361,17 @@ def test_a_destroyed_pools_id_is_a_stale_handle(pool):
     assert _core.vmm_destroy(pool_id) == _core.ERR_HANDLE
     assert _core.vmm_stats(-1, ctypes.byref(st)) == _core.ERR_ARG
     assert _core.vmm_stats(_core.MAX_POOLS, ctypes.byref(st)) == _core.ERR_ARG
+
+
+def test_a_pool_closed_under_a_call_says_so(pool):
+    """Another thread's close() between this thread's check and its C call:
+    the call names the closed pool, not an out-of-memory or a foreign block."""
+    ptr = pool.allocate(4096)
+    pool.deallocate(ptr)
+    assert _core.vmm_destroy(pool._id) == 0  # as close() on another thread does
+    with pytest.raises(ump.UmpError, match="the pool is closed") as err:
+        pool.allocate(4096)
+    assert err.value.cuda_error == "UMP_ERR_HANDLE"
+    with pytest.raises(ump.UmpError, match="the pool is closed"):
+        pool.deallocate(ptr)
+    pool._closed = True  # what close() records

@@ -235,6 +235,8 @@ class VMMPool:
             status = _core.last_status()
             name = _core.error_name(status)
             where = "emulated pool" if self.emulated else f"VMM pool on device {self.device}"
+            if status == _core.ERR_HANDLE:  # closed by another thread meanwhile
+                raise UmpError(f"{where}: the pool is closed", name)
             if status == _core.ERR_ARG:  # larger than the reservation
                 raise OutOfMemoryError(f"{where}: {size} bytes exceed the reserved address range "
                                        f"of {self.statistics().reserved_bytes} bytes", name)
@@ -246,6 +248,8 @@ class VMMPool:
     def deallocate(self, ptr: int) -> None:
         """Free a block from :meth:`allocate`; it is reused in stream order."""
         status = _core.vmm_free(self.id, ptr)
+        if status == _core.ERR_HANDLE:  # closed by another thread meanwhile: the block went with it
+            raise UmpError(f"{ptr:#x}: the pool is closed", _core.error_name(status))
         if status:
             raise ValueError(f"{ptr:#x} is not a live block of this pool")
 
@@ -401,9 +405,13 @@ class VMMPool:
                 raise UmpError(f"{what}: the CUDA driver cannot share physical memory "
                                "(no cuMemExportToShareableHandle)", name)
             raise UmpError(what, name)
-        base, mapped = _core.vmm_view(self.id, view)
         times = _core._CViewTimes()
-        _core.check(_core.vmm_view_times(self.id, view, ctypes.byref(times)), "reading a view's set-up times")
+        try:
+            base, mapped = _core.vmm_view(self.id, view)
+            _core.check(_core.vmm_view_times(self.id, view, ctypes.byref(times)), "reading a view's set-up times")
+        except BaseException:  # the pool was closed meanwhile: nothing may keep the view
+            _core.vmm_view_destroy(self.id, view)
+            raise
         return MappedMemory(self, view, kind, base if ptr is None else ptr, size,
                             size if nbytes is None else nbytes, mapped,
                             ViewTimes(**{name: getattr(times, name) for name, _ in times._fields_}))
