@@ -168,7 +168,7 @@ typedef struct { UMP_VMM_VIEW_TIMES_FIELDS(UMP_U64_FIELD) } ump_vmm_view_times_t
 
 /* provider: UMP_PROVIDER_DEVICE, or UMP_PROVIDER_HOST for the same pool on an
  * emulated physical layer (memfd) that runs without a GPU. ctx: the device's
- * primary context. limit 0: none. Returns a pool id or -1. */
+ * primary context. limit 0: none. Returns a pool id, or a negative status. */
 int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit);
 /* Only when no block, buffer or view is live. Every later call with the id
  * fails with UMP_ERR_HANDLE, until ump_vmm_create hands the id out again. */
@@ -182,13 +182,13 @@ int ump_vmm_grant(int pool, int device);
 int ump_vmm_devices(int pool, int *out, int max);
 int ump_vmm_migrate(int pool, uintptr_t ptr, uint64_t bytes, int device);
 int ump_vmm_device_of(int pool, uintptr_t ptr, uint64_t bytes);
-int ump_vmm_buffer_create(int pool, uint64_t max_bytes);
+int ump_vmm_buffer_create(int pool, uint64_t max_bytes); /* a buffer id, or a negative status */
 int ump_vmm_buffer_destroy(int pool, int buf);
 int ump_vmm_buffer_resize(int pool, int buf, uint64_t bytes);
 int ump_vmm_buffer_info(int pool, int buf, uintptr_t *ptr, uint64_t *size);
 
 /* Views: address ranges of their own over physical memory, each with its own
- * reservation. Each returns a view id or -1. */
+ * reservation. Each returns a view id, or a negative status. */
 int ump_vmm_shared_create(int pool, uint64_t bytes);  /* exportable memory */
 int ump_vmm_export(int pool, int view, int *fd);        /* a new fd the caller owns */
 int ump_vmm_import(int pool, int fd, uint64_t bytes, int device);
