@@ -155,7 +155,7 @@ int ump_fallback_stats(ump_stats_t *out);
 
 typedef struct { UMP_VMM_STATS_FIELDS(UMP_U64_FIELD) } ump_vmm_stats_t;
 
-/* How long each step of making a view took (ump_vmm_view_times), in
+/* How long each step of making a view took (ump_vmm_view_info), in
  * nanoseconds summed over the step's calls: what importing, mapping and
  * granting access to shared memory cost, apart. */
 #define UMP_VMM_VIEW_TIMES_FIELDS(X)                                              \
@@ -195,8 +195,8 @@ int ump_vmm_import(int pool, int fd, uint64_t bytes, int device);
 int ump_vmm_alias_create(int pool, uintptr_t ptr, uint64_t bytes, uintptr_t *alias);
 int ump_vmm_ring_create(int pool, uint64_t bytes);     /* bytes mapped twice, back to back */
 int ump_vmm_striped_create(int pool, uint64_t bytes, const int *devices, int ndevices);
-int ump_vmm_view_info(int pool, int view, uintptr_t *ptr, uint64_t *size);
-int ump_vmm_view_times(int pool, int view, ump_vmm_view_times_t *out);
+/* Its address, bytes mapped and, if times is not NULL, its set-up times. */
+int ump_vmm_view_info(int pool, int view, uintptr_t *ptr, uint64_t *size, ump_vmm_view_times_t *times);
 int ump_vmm_view_destroy(int pool, int view);
 
 /* --- registry ------------------------------------------------------------ */

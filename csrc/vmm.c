@@ -1268,10 +1268,11 @@ int ump_vmm_buffer_create(int id, uint64_t max_bytes)
     return status == UMP_OK ? buf : fail(status);
 }
 
-/* The address of a buffer or view (fixed for its life) and its bytes in
- * use or mapped; `get` finds region `idx` of its sort. */
+/* The address of a buffer or view (fixed for its life), its bytes in use or
+ * mapped, and (times not NULL) how long making it took; `get` finds region
+ * `idx` of its sort. */
 static int region_info(int id, region_t *(*get)(pool_t *, int), int idx, uintptr_t *ptr,
-                       uint64_t *size)
+                       uint64_t *size, ump_vmm_view_times_t *times)
 {
     if (!ptr || !size)
         return fail(UMP_ERR_ARG);
@@ -1283,6 +1284,8 @@ static int region_info(int id, region_t *(*get)(pool_t *, int), int idx, uintptr
     if (r) {
         *ptr = r->va;
         *size = r->size;
+        if (times)
+            *times = r->times;
     }
     pool_leave(p);
     return r ? UMP_OK : fail(UMP_ERR_ARG);
@@ -1290,7 +1293,7 @@ static int region_info(int id, region_t *(*get)(pool_t *, int), int idx, uintptr
 
 int ump_vmm_buffer_info(int id, int buf, uintptr_t *ptr, uint64_t *size)
 {
-    return region_info(id, buffer_get, buf, ptr, size);
+    return region_info(id, buffer_get, buf, ptr, size, NULL);
 }
 
 /* Unmap the handles of a region that lie wholly at or past granule `from`;
@@ -1805,24 +1808,9 @@ int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevi
     return status == UMP_OK ? v : fail(status);
 }
 
-int ump_vmm_view_info(int id, int view, uintptr_t *ptr, uint64_t *size)
+int ump_vmm_view_info(int id, int view, uintptr_t *ptr, uint64_t *size, ump_vmm_view_times_t *times)
 {
-    return region_info(id, view_get, view, ptr, size);
-}
-
-int ump_vmm_view_times(int id, int view, ump_vmm_view_times_t *out)
-{
-    if (!out)
-        return fail(UMP_ERR_ARG);
-    pool_t *p;
-    int status = pool_enter(id, &p);
-    if (status != UMP_OK)
-        return fail(status);
-    region_t *r = view_get(p, view);
-    if (r)
-        *out = r->times;
-    pool_leave(p);
-    return r ? UMP_OK : fail(UMP_ERR_ARG);
+    return region_info(id, view_get, view, ptr, size, times);
 }
 
 int ump_vmm_view_destroy(int id, int view)

@@ -126,16 +126,17 @@ vmm_import = _sig("ump_vmm_import", _int, _int, _int, _u64, _int)
 vmm_alias_create = _sig("ump_vmm_alias_create", _int, _int, _uptr, _u64, ctypes.POINTER(_uptr))
 vmm_ring_create = _sig("ump_vmm_ring_create", _int, _int, _u64)
 vmm_striped_create = _sig("ump_vmm_striped_create", _int, _int, _u64, ctypes.POINTER(_int), _int)
-vmm_view_info = _sig("ump_vmm_view_info", _int, _int, _int, ctypes.POINTER(_uptr), ctypes.POINTER(_u64))
-vmm_view_times = _sig("ump_vmm_view_times", _int, _int, _int, ctypes.POINTER(_CViewTimes))
+vmm_view_info = _sig("ump_vmm_view_info", _int, _int, _int, ctypes.POINTER(_uptr), ctypes.POINTER(_u64),
+                     ctypes.POINTER(_CViewTimes))
 vmm_view_destroy = _sig("ump_vmm_view_destroy", _int, _int, _int)
 
 
-def vmm_view(pool: int, view: int) -> tuple[int, int]:
-    """(address, bytes mapped) of a pool's view."""
-    ptr, size = _uptr(), _u64()
-    check(vmm_view_info(pool, view, ctypes.byref(ptr), ctypes.byref(size)), "reading a view")
-    return ptr.value, size.value
+def vmm_view(pool: int, view: int) -> tuple[int, int, dict]:
+    """(address, bytes mapped, set-up times by field) of a pool's view."""
+    ptr, size, times = _uptr(), _u64(), _CViewTimes()
+    check(vmm_view_info(pool, view, ctypes.byref(ptr), ctypes.byref(size), ctypes.byref(times)),
+          "reading a view")
+    return ptr.value, size.value, {name: getattr(times, name) for name, _ in times._fields_}
 
 
 def vmm_buffer(pool: int, buf: int) -> tuple[int, int]:

@@ -405,16 +405,13 @@ class VMMPool:
                 raise UmpError(f"{what}: the CUDA driver cannot share physical memory "
                                "(no cuMemExportToShareableHandle)", name)
             raise UmpError(what, name)
-        times = _core._CViewTimes()
         try:
-            base, mapped = _core.vmm_view(self.id, view)
-            _core.check(_core.vmm_view_times(self.id, view, ctypes.byref(times)), "reading a view's set-up times")
+            base, mapped, times = _core.vmm_view(self.id, view)
         except BaseException:  # the pool was closed meanwhile: nothing may keep the view
             _core.vmm_view_destroy(self.id, view)
             raise
         return MappedMemory(self, view, kind, base if ptr is None else ptr, size,
-                            size if nbytes is None else nbytes, mapped,
-                            ViewTimes(**{name: getattr(times, name) for name, _ in times._fields_}))
+                            size if nbytes is None else nbytes, mapped, ViewTimes(**times))
 
     def allocate_shared(self, size: int) -> "MappedMemory":
         """Memory other processes can map: :meth:`MappedMemory.export` gives

@@ -205,7 +205,7 @@ static void *view_worker(void *arg)
         uintptr_t va;
         uint64_t size;
         int r = ump_vmm_ring_create(pool, g);
-        CHECK(r >= 0 && ump_vmm_view_info(pool, r, &va, &size) == UMP_OK && size == 2 * g);
+        CHECK(r >= 0 && ump_vmm_view_info(pool, r, &va, &size, NULL) == UMP_OK && size == 2 * g);
         ((unsigned char *)va)[g + 7] = 0x33;
         CHECK(((unsigned char *)va)[7] == 0x33);
 
@@ -215,9 +215,9 @@ static void *view_worker(void *arg)
         CHECK(im < 0 && ump_last_status() == UMP_ERR_HANDLE); /* not the size it has */
         im = ump_vmm_import(pool, fd, g, 0);
         close(fd);
-        CHECK(im >= 0 && ump_vmm_view_info(pool, im, &va, &size) == UMP_OK);
+        CHECK(im >= 0 && ump_vmm_view_info(pool, im, &va, &size, NULL) == UMP_OK);
         uintptr_t sva;
-        CHECK(ump_vmm_view_info(pool, sh, &sva, &size) == UMP_OK);
+        CHECK(ump_vmm_view_info(pool, sh, &sva, &size, NULL) == UMP_OK);
         ((unsigned char *)sva)[g - 1] = 0x44;
         CHECK(((unsigned char *)va)[g - 1] == 0x44);
         CHECK(ump_vmm_view_destroy(pool, sh) == UMP_OK); /* the importer keeps the memory */
