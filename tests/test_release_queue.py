@@ -8,6 +8,7 @@ import contextlib
 import types
 
 import numpy as np
+import pytest
 
 from ump._cupy_alloc import ReleaseQueue
 
@@ -19,7 +20,8 @@ def _fake_cupy(log):
         yield
 
     # no device is current, so every wait enters the device it waits for
-    runtime = types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)), getDevice=lambda: -1)
+    runtime = types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)), getDevice=lambda: -1,
+                                    getDeviceCount=lambda: 1)
     return types.SimpleNamespace(cuda=types.SimpleNamespace(Device=device, runtime=runtime))
 
 
@@ -41,6 +43,26 @@ def test_a_wait_on_one_device_releases_nothing_of_another():
     queue.defer(np.ones(4), 1)
     queue.synchronized(1, queue.mark())
     assert len(queue) == 1 and queue._pending[0]
+
+
+def test_on_several_gpus_a_wait_covers_every_gpu_with_work():
+    # CuPy copies across devices with a kernel on the current device, which
+    # writes the other device's memory: waiting for the array's device alone
+    # would let the host read before the copy ends.
+    log = []
+    queue = ReleaseQueue(_fake_cupy(log), device_count=3, active_devices=lambda: [0, 2])
+    queue.defer(np.ones(4), 0)
+    queue.defer(np.ones(4), 1)
+    queue.wait_for(1)
+    assert log == [("enter", 0), ("sync",), ("enter", 1), ("sync",), ("enter", 2), ("sync",)]
+    assert len(queue) == 0  # every device waited for: all released
+
+
+def test_on_one_gpu_a_wait_asks_for_no_other():
+    log = []
+    queue = ReleaseQueue(_fake_cupy(log), active_devices=lambda: pytest.fail("asked on one GPU"))
+    queue.wait_for(0)
+    assert log == [("enter", 0), ("sync",)]
 
 
 def test_bytes_only_the_queue_holds_drain_every_device():

@@ -88,8 +88,10 @@ class ReleaseQueue:
             queue = cls._shared[id(cupy)] = cls(cupy)
         return queue
 
-    def __init__(self, cupy):
+    def __init__(self, cupy, *, device_count: int | None = None, active_devices=None):
         self.cupy = cupy
+        self._device_count = device_count  # read at the first wait when None
+        self._active_devices = active_devices or _devices_with_contexts
         self._pending: dict[int, collections.deque] = {}  # device -> (sequence, array)
         self._held: dict[int, list] = {}  # id(owner) -> [entries pending, owner]
         self._count = 0
@@ -144,23 +146,47 @@ class ReleaseQueue:
 
     def wait_for(self, device: int | None = None) -> None:
         """Wait for all of ``device``'s work (the current device's if None),
-        then release what was deferred on it before the wait began."""
-        cuda = self.cupy.cuda
-        mark = self.mark()
-        current = cuda.runtime.getDevice()
-        if device is None:
-            device = current
-        if device == current:
-            cuda.runtime.deviceSynchronize()
-        else:
-            with cuda.Device(device):
-                cuda.runtime.deviceSynchronize()
-        self.synchronized(device, mark)
+        and on several GPUs for every GPU with work of this process; then
+        release what was deferred on them before the wait began."""
+        current = self.cupy.cuda.runtime.getDevice()
+        self._wait([current if device is None else device], current)
 
     def drain(self) -> None:
         """Wait for every device with pending arrays and release them all."""
-        for device in [d for d, q in self._pending.items() if q]:
-            self.wait_for(device)
+        pending = [d for d, q in self._pending.items() if q]
+        if pending:
+            self._wait(pending, self.cupy.cuda.runtime.getDevice())
+
+    def _wait(self, devices: list[int], current: int) -> None:
+        cuda = self.cupy.cuda
+        mark = self.mark()
+        if self._device_count is None:
+            self._device_count = cuda.runtime.getDeviceCount()
+        if self._device_count > 1:
+            # A kernel or copy on one GPU writes another's memory through
+            # peer access (CuPy runs a cross-device copy on the current
+            # device): the memory's own device may have nothing queued.
+            devices = sorted(set(devices).union(self._active_devices()))
+        for d in devices:
+            if d == current:
+                cuda.runtime.deviceSynchronize()
+            else:
+                with cuda.Device(d):
+                    cuda.runtime.deviceSynchronize()
+        for d in devices:
+            self.synchronized(d, mark)
+
+
+def _devices_with_contexts() -> list[int]:
+    """The GPUs on which this process has an active primary context (CuPy's
+    and ump's): the only ones that can have work of it queued."""
+    from cuda.bindings import driver
+
+    from ._probe import _call
+
+    count = _call(driver.cuDeviceGetCount)
+    return [d for d in range(count)
+            if _call(driver.cuDevicePrimaryCtxGetState, _call(driver.cuDeviceGet, d))[1]]
 
 
 class Lease:
