@@ -159,7 +159,14 @@ int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero)
     int status = ump__cuda_ready();
     if (status != UMP_OK)
         return status;
-    int pushed = ump__ctx_enter(NULL);
+    /* Memory is allocated (managed) or registered (pinned) under ump's
+     * context, not the caller's: cudaPointerGetAttributes names the device
+     * whose context made it, and libraries that take a pointer (PyTorch's
+     * as_tensor) copy when that is not the device they were asked for. A
+     * chunk CuPy took under Device(1) would otherwise say device 1 for
+     * every array later carved from it for device 0. Managed memory is
+     * reachable from every device, registered memory is PORTABLE. */
+    int pushed = ump__ctx_enter(ump_ctx);
     if (provider == UMP_PROVIDER_MANAGED) {
         CUdeviceptr d = 0;
         status = ump__cu.memAllocManaged(&d, size, CU_MEM_ATTACH_GLOBAL);

@@ -122,13 +122,28 @@ def _gpu_context(device: int) -> tuple[int, int, int]:
     return int(ctx), int(free), int(total)
 
 
+def _new_device_pool(device: int, **limits) -> _vmm.VMMPool:
+    """A VMM pool for CuPy on ``device``, reachable from every GPU that can
+    reach it: stock CuPy's memory is, once CuPy enables peer access (which it
+    does by itself for a cross-device copy), and cudaDeviceEnablePeerAccess
+    does not reach VMM mappings."""
+    pool = _vmm.VMMPool(device, **limits)
+    for peer in range(len(probe().devices)):
+        if peer != device:
+            try:
+                pool.grant(peer)
+            except UmpError:
+                pass  # the two GPUs cannot reach each other: as with stock CuPy
+    return pool
+
+
 def _device_pool(device: int) -> _vmm.VMMPool:
     """The VMM pool of a device other than the enabled one, made at its first
     use by CuPy (bounded by that device's memory)."""
     with _lock:
         pool = _device_pools.get(device)
         if pool is None:
-            pool = _device_pools[device] = _vmm.VMMPool(device)
+            pool = _device_pools[device] = _new_device_pool(device)
         return pool
 
 
@@ -258,7 +273,7 @@ def enable(backend: str = "auto", **options) -> str:
             if chosen.vmm_pool:
                 pool = _device_pools.get(opts.device)
                 if pool is None:
-                    pool = _device_pools[opts.device] = _vmm.VMMPool(opts.device, limit=cupy_cap)
+                    pool = _device_pools[opts.device] = _new_device_pool(opts.device, limit=cupy_cap)
                 else:
                     # free memory no longer counts what the pool already holds
                     pool.set_limit(cupy_cap if opts.cap is not None else cupy_cap + pool.total_bytes())
