@@ -346,7 +346,6 @@ def test_provider_failures_with_cupy(gpu_backend):
 # Tests in the same process may have imported PyTorch or JAX, whose threads
 # make Python >= 3.12 warn at fork(); the fork here is the point.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's at-fork warning
 def test_fork_after_gpu_enable(gpu_backend, record_property):
     name, cupy = gpu_backend
     a = np.arange(1 << 16, dtype=np.int64)
@@ -369,7 +368,6 @@ def test_fork_after_gpu_enable(gpu_backend, record_property):
 # Tests in the same process may have imported PyTorch or JAX, whose threads
 # make Python >= 3.12 warn at fork(); the fork here is the point.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's at-fork warning
 def test_fork_child_reading_inherited_unified_memory(gpu_backend, record_property):
     """Whether the driver maps inherited unified memory in a child: reported,
     since it is the driver's choice; the parent is unaffected either way."""

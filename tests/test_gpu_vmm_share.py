@@ -79,6 +79,47 @@ def test_two_processes_share_device_memory(cupy, pool):
     mem.close()
 
 
+def _gpu1_importer(handle, conn):
+    from ump._cupy_compat import import_cupy
+
+    cp = import_cupy()
+    pool = ump.VMMPool(0, reserve=handle.granularity)  # maps GPU 0's memory here
+    pool.grant(1)
+    mem = ump.import_handle(handle, pool, stream=cp.cuda.get_current_stream().ptr)
+    handle.close()
+    cp.cuda.get_current_stream().synchronize()  # the exporter's event, waited on GPU 0's stream
+    with cp.cuda.Device(1):
+        a = _array(cp, mem.ptr, handle.size, mem, 1)
+        ok = bool((a == 7).all())  # a kernel on GPU 1 reads GPU 0's memory
+        a += 1
+        cp.cuda.Device(1).synchronize()
+    conn.send(ok)
+    conn.recv()
+    del a
+    mem.close()
+    pool.close()
+
+
+def test_a_consumer_on_gpu_1_reads_gpu_0s_memory(cupy, pool, gpu_caps):
+    if len(gpu_caps.devices) < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    mem = pool.allocate_shared(8 * MiB)
+    a = mem.array((2 * MiB,), "float32")
+    a.fill(7)  # queued, not waited for: the exported event orders it
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with mem.export(stream=cupy.cuda.get_current_stream().ptr) as handle:
+        proc = ctx.Process(target=_gpu1_importer, args=(handle, child))
+        proc.start()
+    assert parent.poll(CHILD_TIMEOUT) and parent.recv() is True
+    assert float(a.sum()) == 8.0 * 2 * MiB  # GPU 1's kernel in the other process, seen here
+    parent.send("done")
+    proc.join(CHILD_TIMEOUT)
+    assert proc.exitcode == 0
+    del a
+    mem.close()
+
+
 def _gpu_exporter(address):
     from ump._cupy_compat import import_cupy
 
@@ -162,6 +203,7 @@ def test_striped_over_two_gpus(cupy, pool, gpu_caps):
     assert [mem.device_of(k * g) for k in range(4)] == [0, 1, 0, 1]
     a = mem.array((4 * g // 4,), "float32")
     a.fill(2)
+    cupy.cuda.runtime.deviceSynchronize()  # GPU 1 does not wait for GPU 0's stream
     with cupy.cuda.Device(1):  # a kernel on GPU 1 reads every granule, both GPUs' memory
         assert float(_array(cupy, mem.ptr, 4 * g, mem, 1).sum()) == 2.0 * g
     del a
