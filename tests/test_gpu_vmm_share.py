@@ -44,23 +44,39 @@ def pool(cupy):
         p.close()
 
 
-def _gpu_importer(handle, conn):
+def _gpu_importer(handle, conn, device):
+    """Import the handle and, with a kernel on ``device``, check the
+    exporter's 7s and add 1. Device 1 reaches GPU 0's memory through a
+    pool of GPU 0 granted to it."""
     from ump._cupy_compat import import_cupy
 
     cp = import_cupy()
-    mem = ump.import_handle(handle, stream=cp.cuda.get_current_stream().ptr)
+    pool = None
+    if device != 0:
+        pool = ump.VMMPool(0, reserve=handle.granularity)  # maps GPU 0's memory here
+        pool.grant(device)
+    mem = ump.import_handle(handle, pool, stream=cp.cuda.get_current_stream().ptr)
     handle.close()
-    a = mem.array((handle.size // 4,), "float32")
-    ok = bool((a == 7).all())  # the exporter's kernel, ordered by its event
-    a += 1
-    cp.cuda.runtime.deviceSynchronize()
+    # The exporter's kernel is ordered by its event on GPU 0's stream; a
+    # kernel on another GPU does not wait for that stream.
+    cp.cuda.get_current_stream().synchronize()
+    with cp.cuda.Device(device):
+        a = (mem.array((handle.size // 4,), "float32") if device == 0
+             else _array(cp, mem.ptr, handle.size, mem, device))
+        ok = bool((a == 7).all())
+        a += 1
+        cp.cuda.Device(device).synchronize()
     conn.send(ok)
     conn.recv()
     del a
     mem.close()
+    if pool is not None:
+        pool.close()
 
 
-def test_two_processes_share_device_memory(cupy, pool):
+def _share_with_a_process(cupy, pool, device):
+    """Export 7s that a kernel is still writing to a spawned process whose
+    kernel on ``device`` adds 1; see its writes here."""
     mem = pool.allocate_shared(8 * MiB)
     a = mem.array((2 * MiB,), "float32")
     a.fill(7)  # queued, not waited for: the exported event orders it
@@ -68,7 +84,7 @@ def test_two_processes_share_device_memory(cupy, pool):
     parent, child = ctx.Pipe()
     with mem.export(stream=cupy.cuda.get_current_stream().ptr) as handle:
         assert handle.event is not None and len(handle.event) == 64
-        proc = ctx.Process(target=_gpu_importer, args=(handle, child))
+        proc = ctx.Process(target=_gpu_importer, args=(handle, child, device))
         proc.start()
     assert parent.poll(CHILD_TIMEOUT) and parent.recv() is True
     assert float(a.sum()) == 8.0 * 2 * MiB  # the importer's kernel, seen here
@@ -79,45 +95,14 @@ def test_two_processes_share_device_memory(cupy, pool):
     mem.close()
 
 
-def _gpu1_importer(handle, conn):
-    from ump._cupy_compat import import_cupy
-
-    cp = import_cupy()
-    pool = ump.VMMPool(0, reserve=handle.granularity)  # maps GPU 0's memory here
-    pool.grant(1)
-    mem = ump.import_handle(handle, pool, stream=cp.cuda.get_current_stream().ptr)
-    handle.close()
-    cp.cuda.get_current_stream().synchronize()  # the exporter's event, waited on GPU 0's stream
-    with cp.cuda.Device(1):
-        a = _array(cp, mem.ptr, handle.size, mem, 1)
-        ok = bool((a == 7).all())  # a kernel on GPU 1 reads GPU 0's memory
-        a += 1
-        cp.cuda.Device(1).synchronize()
-    conn.send(ok)
-    conn.recv()
-    del a
-    mem.close()
-    pool.close()
+def test_two_processes_share_device_memory(cupy, pool):
+    _share_with_a_process(cupy, pool, 0)
 
 
 def test_a_consumer_on_gpu_1_reads_gpu_0s_memory(cupy, pool, gpu_caps):
     if len(gpu_caps.devices) < 2:
         pytest.skip("needs two GPUs (nvidia-h200-x2)")
-    mem = pool.allocate_shared(8 * MiB)
-    a = mem.array((2 * MiB,), "float32")
-    a.fill(7)  # queued, not waited for: the exported event orders it
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    with mem.export(stream=cupy.cuda.get_current_stream().ptr) as handle:
-        proc = ctx.Process(target=_gpu1_importer, args=(handle, child))
-        proc.start()
-    assert parent.poll(CHILD_TIMEOUT) and parent.recv() is True
-    assert float(a.sum()) == 8.0 * 2 * MiB  # GPU 1's kernel in the other process, seen here
-    parent.send("done")
-    proc.join(CHILD_TIMEOUT)
-    assert proc.exitcode == 0
-    del a
-    mem.close()
+    _share_with_a_process(cupy, pool, 1)
 
 
 def _gpu_exporter(address):
