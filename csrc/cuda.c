@@ -199,13 +199,16 @@ int ump__provider_free(int provider, void *ptr, size_t size)
     int status = ump__cuda_ready();
     if (status != UMP_OK)
         return status; /* after fork: leak rather than call CUDA */
-    int pushed = ump__ctx_enter(NULL);
+    int pushed = ump__ctx_enter(ump_ctx); /* the context that made it */
     if (provider == UMP_PROVIDER_MANAGED) {
         /* cuMemFree synchronises the device, so no kernel still uses it. */
         status = ump__cu.memFree((CUdeviceptr)ptr);
     } else {
         status = ump__cu.memHostUnregister(ptr);
-        munmap(ptr, size);
+        /* Still registered: unmapping would let a later mmap at this
+         * address fail to register. Leak it instead. */
+        if (status == CUDA_SUCCESS)
+            munmap(ptr, size);
     }
     ump__ctx_leave(pushed);
     return status;

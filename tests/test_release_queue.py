@@ -59,10 +59,14 @@ def test_on_several_gpus_a_wait_covers_every_gpu_with_work():
 
 
 def test_on_one_gpu_a_wait_asks_for_no_other():
-    log = []
-    queue = ReleaseQueue(_fake_cupy(log), active_devices=lambda: pytest.fail("asked on one GPU"))
+    log, counts = [], []
+    cupy = _fake_cupy(log)
+    cupy.cuda.runtime.getDeviceCount = lambda: counts.append(1) or 1
+    queue = ReleaseQueue(cupy, active_devices=lambda: pytest.fail("asked on one GPU"))
     queue.wait_for(0)
-    assert log == [("enter", 0), ("sync",)]
+    queue.wait_for(0)
+    assert log == [("enter", 0), ("sync",)] * 2
+    assert counts == [1]  # the device count is read once
 
 
 def test_bytes_only_the_queue_holds_drain_every_device():

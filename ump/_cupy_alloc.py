@@ -153,7 +153,8 @@ class ReleaseQueue:
 
     def drain(self) -> None:
         """Wait for every device with pending arrays and release them all."""
-        pending = [d for d, q in self._pending.items() if q]
+        with self._lock:
+            pending = [d for d, q in self._pending.items() if q]
         if pending:
             self._wait(pending, self.cupy.cuda.runtime.getDevice())
 
@@ -182,11 +183,15 @@ def _devices_with_contexts() -> list[int]:
     and ump's): the only ones that can have work of it queued."""
     from cuda.bindings import driver
 
-    from ._probe import _call
+    from ._errors import UmpError
+    from ._probe import _call, _DriverError
 
-    count = _call(driver.cuDeviceGetCount)
-    return [d for d in range(count)
-            if _call(driver.cuDevicePrimaryCtxGetState, _call(driver.cuDeviceGet, d))[1]]
+    try:
+        count = _call(driver.cuDeviceGetCount)
+        return [d for d in range(count)
+                if _call(driver.cuDevicePrimaryCtxGetState, _call(driver.cuDeviceGet, d))[1]]
+    except _DriverError as err:
+        raise UmpError(f"finding the GPUs to wait for: {err}") from err
 
 
 class Lease:

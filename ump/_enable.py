@@ -127,13 +127,19 @@ def _new_device_pool(device: int, **limits) -> _vmm.VMMPool:
     reach it: stock CuPy's memory is, once CuPy enables peer access (which it
     does by itself for a cross-device copy), and cudaDeviceEnablePeerAccess
     does not reach VMM mappings."""
+    from cuda.bindings import driver
+
+    from ._probe import _call
+
     pool = _vmm.VMMPool(device, **limits)
-    for peer in range(len(probe().devices)):
-        if peer != device:
-            try:
+    try:
+        for peer in range(len(probe().devices)):
+            if peer != device and all(_call(driver.cuDeviceCanAccessPeer, a, b)
+                                      for a, b in ((peer, device), (device, peer))):
                 pool.grant(peer)
-            except UmpError:
-                pass  # the two GPUs cannot reach each other: as with stock CuPy
+    except BaseException:
+        pool.close()
+        raise
     return pool
 
 
