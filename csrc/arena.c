@@ -46,17 +46,29 @@ typedef struct chunk {
     struct chunk *next, *prev;
 } chunk_t;
 
+/* What a backend's memory may take: held against cap, shared by the
+ * NumPy-side and CuPy-side arenas of one kind and device. */
+typedef struct budget {
+    int kind, device; /* device -1: the backend's main budget */
+    uint64_t held, cap;
+} budget_t;
+
 struct arena {
     int id, kind, provider, flags; /* UMP_ARENA_* */
+    int device;                    /* its budget's device */
+    void *ctx;                     /* CUcontext chunks are made under; NULL: ump's */
+    budget_t *budget;
     pthread_mutex_t lock;
     chunk_t *partial[N_CLASSES]; /* slabs with at least one free slot */
     chunk_t *runs;               /* cached free large runs */
     ump_stats_t st;
 };
 
-/* One budget per kind: the NumPy-side and CuPy-side arenas of a backend
- * share its cap, so the cap bounds all the memory the backend holds. */
-static struct { uint64_t held, cap; } budgets[UMP_KIND_END];
+/* One budget per kind and device: the NumPy-side and CuPy-side arenas of a
+ * backend share its cap, so the cap bounds all the memory the backend holds
+ * there. Entries are never removed (arenas live as long as the process). */
+static budget_t budgets[UMP_MAX_ARENAS];
+static int budget_count;
 
 static arena_t *arenas[UMP_MAX_ARENAS];
 static int n_arenas;
@@ -388,19 +400,34 @@ static arena_t *arena_get(int id)
 #define FLAG_BIT(name, value) | (value)
 #define ALL_FLAGS (0 UMP_ARENA_FLAGS(FLAG_BIT))
 
-int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags)
+/* The budget of (kind, device), made if new; under arenas_lock. */
+static budget_t *budget_of(int kind, int device)
+{
+    for (int i = 0; i < budget_count; i++)
+        if (budgets[i].kind == kind && budgets[i].device == device)
+            return &budgets[i];
+    budget_t *b = &budgets[budget_count++]; /* one arena at least per budget: room */
+    b->kind = kind;
+    b->device = device;
+    return b;
+}
+
+int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int device,
+                     uintptr_t ctx)
 {
     /* Arenas take chunks from every provider but the VMM pools'. */
     if (kind <= UMP_KIND_NONE || kind >= UMP_KIND_END || provider < 0 ||
-        provider > UMP_PROVIDER_PINNED || (flags & ~ALL_FLAGS))
+        provider > UMP_PROVIDER_PINNED || (flags & ~ALL_FLAGS) || device < -1 ||
+        (ctx && provider == UMP_PROVIDER_HOST))
         return ump__set_status(UMP_ERR_ARG);
     pthread_mutex_lock(&arenas_lock);
     /* Arenas live as long as the process: blocks may outlive disable(), and
      * enabling the same backend again reuses its arena and cached chunks. */
     for (int i = 0; i < n_arenas; i++) {
         arena_t *a = arenas[i];
-        if (a->kind == kind && a->provider == provider && a->flags == flags) {
-            __atomic_store_n(&budgets[kind].cap, cap_bytes, __ATOMIC_RELAXED);
+        if (a->kind == kind && a->provider == provider && a->flags == flags &&
+            a->device == device && a->ctx == (void *)ctx) {
+            __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
             pthread_mutex_unlock(&arenas_lock);
             return i;
         }
@@ -418,7 +445,10 @@ int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags)
     a->kind = kind;
     a->provider = provider;
     a->flags = flags;
-    __atomic_store_n(&budgets[kind].cap, cap_bytes, __ATOMIC_RELAXED);
+    a->device = device;
+    a->ctx = (void *)ctx;
+    a->budget = budget_of(kind, device);
+    __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
     pthread_mutex_init(&a->lock, NULL);
     __atomic_store_n(&arenas[n_arenas], a, __ATOMIC_RELEASE);
     int id = n_arenas++;
@@ -431,7 +461,7 @@ int ump_arena_set_cap(int id, uint64_t cap_bytes)
     arena_t *a = arena_get(id);
     if (!a)
         return ump__set_status(UMP_ERR_ARG);
-    __atomic_store_n(&budgets[a->kind].cap, cap_bytes, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
     return UMP_OK;
 }
 
@@ -452,7 +482,7 @@ int ump_arena_stats(int id, ump_stats_t *out)
     tc_totals(a, &cached_bytes, &cached_count);
     out->current_bytes = out->current_bytes > cached_bytes ? out->current_bytes - cached_bytes : 0;
     out->current_count = out->current_count > cached_count ? out->current_count - cached_count : 0;
-    out->cap_bytes = __atomic_load_n(&budgets[a->kind].cap, __ATOMIC_RELAXED);
+    out->cap_bytes = __atomic_load_n(&a->budget->cap, __ATOMIC_RELAXED);
     return UMP_OK;
 }
 
@@ -492,7 +522,7 @@ int ump_arena_trim(int id)
     }
     for (chunk_t *c = victims; c; c = c->next) {
         reg_remove(c);
-        __atomic_fetch_sub(&budgets[a->kind].held, c->size, __ATOMIC_RELAXED);
+        __atomic_fetch_sub(&a->budget->held, c->size, __ATOMIC_RELAXED);
         a->st.held_bytes -= c->size;
         a->st.cached_bytes -= c->size;
         a->st.chunk_frees++;
@@ -503,7 +533,7 @@ int ump_arena_trim(int id)
     while (victims) {
         chunk_t *c = victims;
         victims = c->next;
-        int s = ump__provider_free(a->provider, (void *)c->base, c->size);
+        int s = ump__provider_free(a->provider, (void *)c->base, c->size, a->ctx);
         if (s != UMP_OK)
             status = s;
         chunk_destroy(c);
@@ -511,36 +541,36 @@ int ump_arena_trim(int id)
     return status == UMP_OK ? UMP_OK : ump__set_status(status);
 }
 
-/* Reserve `bytes` of the kind's budget, trimming cached chunks once if the
- * cap would be exceeded. */
-static int budget_take(int kind, uint64_t bytes)
+/* Take `bytes` of a budget if they fit under its cap. */
+static int budget_take(budget_t *b, uint64_t bytes)
 {
-    uint64_t held = __atomic_load_n(&budgets[kind].held, __ATOMIC_RELAXED);
+    uint64_t held = __atomic_load_n(&b->held, __ATOMIC_RELAXED);
     do {
-        if (held + bytes < held ||
-            held + bytes > __atomic_load_n(&budgets[kind].cap, __ATOMIC_RELAXED))
+        if (held + bytes < held || held + bytes > __atomic_load_n(&b->cap, __ATOMIC_RELAXED))
             return 0;
-    } while (!__atomic_compare_exchange_n(&budgets[kind].held, &held, held + bytes, 1,
+    } while (!__atomic_compare_exchange_n(&b->held, &held, held + bytes, 1,
                                           __ATOMIC_RELAXED, __ATOMIC_RELAXED));
     return 1;
 }
 
+/* Reserve `bytes` of the arena's budget, trimming cached chunks once if the
+ * cap would be exceeded. */
 static int reserve(arena_t *a, size_t bytes)
 {
     for (int attempt = 0; attempt < 2; attempt++) {
-        if (budget_take(a->kind, bytes)) {
+        if (budget_take(a->budget, bytes)) {
             pthread_mutex_lock(&a->lock);
             a->st.held_bytes += bytes;
             pthread_mutex_unlock(&a->lock);
             return UMP_OK;
         }
         if (attempt == 0) {
-            /* Give back wholly free chunks of this kind, if there are any:
-             * trimming for nothing would thrash the provider at the cap. */
+            /* Give back wholly free chunks under this budget, if there are
+             * any: trimming for nothing would thrash the provider at the cap. */
             int trimmed = 0;
             for (int i = 0; i < UMP_MAX_ARENAS; i++) {
                 arena_t *other = arena_get(i);
-                if (other && other->kind == a->kind &&
+                if (other && other->budget == a->budget &&
                     __atomic_load_n(&other->st.cached_bytes, __ATOMIC_RELAXED) >= bytes) {
                     ump_arena_trim(i);
                     trimmed = 1;
@@ -555,7 +585,7 @@ static int reserve(arena_t *a, size_t bytes)
 
 static void unreserve(arena_t *a, size_t bytes, int failed)
 {
-    __atomic_fetch_sub(&budgets[a->kind].held, bytes, __ATOMIC_RELAXED);
+    __atomic_fetch_sub(&a->budget->held, bytes, __ATOMIC_RELAXED);
     pthread_mutex_lock(&a->lock);
     a->st.held_bytes -= bytes;
     if (failed)
@@ -590,7 +620,7 @@ static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
     void *mem = NULL;
     int zero = 0;
     status = ump__injected_failure() ? UMP_ERR_INJECTED
-                                : ump__provider_alloc(a->provider, bytes, &mem, &zero);
+                                : ump__provider_alloc(a->provider, bytes, &mem, &zero, a->ctx);
     if (status != UMP_OK) {
         chunk_destroy(c);
         unreserve(a, bytes, 1);
@@ -615,7 +645,7 @@ static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
     status = reg_insert(c);
     pthread_rwlock_unlock(&reg_lock);
     if (status != UMP_OK) {
-        ump__provider_free(a->provider, mem, bytes);
+        ump__provider_free(a->provider, mem, bytes, a->ctx);
         chunk_destroy(c);
         unreserve(a, bytes, 1);
         ump__set_status(status);

@@ -147,7 +147,7 @@ static void *map_host(size_t size)
     return p == MAP_FAILED ? NULL : p;
 }
 
-int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero)
+int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero, void *ctx)
 {
     *out = NULL;
     *fresh_zero = 0;
@@ -159,14 +159,15 @@ int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero)
     int status = ump__cuda_ready();
     if (status != UMP_OK)
         return status;
-    /* Memory is allocated (managed) or registered (pinned) under ump's
-     * context, not the caller's: cudaPointerGetAttributes names the device
-     * whose context made it, and libraries that take a pointer (PyTorch's
-     * as_tensor) copy when that is not the device they were asked for. A
-     * chunk CuPy took under Device(1) would otherwise say device 1 for
-     * every array later carved from it for device 0. Managed memory is
-     * reachable from every device, registered memory is PORTABLE. */
-    int pushed = ump__ctx_enter(ump_ctx);
+    /* Memory is allocated (managed) or registered (pinned) under the
+     * arena's context (ump's unless the arena serves another device), not
+     * the caller's: cudaPointerGetAttributes names the device whose context
+     * made it, and libraries that take a pointer (PyTorch's as_tensor) copy
+     * when that is not the device they were asked for. Otherwise a chunk
+     * made while another device was current would name that device for
+     * every array later carved from it. Managed memory is reachable from
+     * every device, registered memory is PORTABLE. */
+    int pushed = ump__ctx_enter(ctx ? ctx : ump_ctx);
     if (provider == UMP_PROVIDER_MANAGED) {
         CUdeviceptr d = 0;
         status = ump__cu.memAllocManaged(&d, size, CU_MEM_ATTACH_GLOBAL);
@@ -192,14 +193,14 @@ int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero)
     return status;
 }
 
-int ump__provider_free(int provider, void *ptr, size_t size)
+int ump__provider_free(int provider, void *ptr, size_t size, void *ctx)
 {
     if (provider == UMP_PROVIDER_HOST)
         return munmap(ptr, size) == 0 ? UMP_OK : UMP_ERR_ARG;
     int status = ump__cuda_ready();
     if (status != UMP_OK)
         return status; /* after fork: leak rather than call CUDA */
-    int pushed = ump__ctx_enter(ump_ctx); /* the context that made it */
+    int pushed = ump__ctx_enter(ctx ? ctx : ump_ctx); /* the context that made it */
     if (provider == UMP_PROVIDER_MANAGED) {
         /* cuMemFree synchronises the device, so no kernel still uses it. */
         status = ump__cu.memFree((CUdeviceptr)ptr);

@@ -43,8 +43,10 @@ UMP_HIDDEN void ump__on_fork(enum ump__fork_rank rank, void (*prepare)(void),
  * UMP_OK and *out, or a status. Called with no ump lock held: CUDA calls are
  * slow and may synchronise. `fresh_zero` is set when the memory is known to
  * be zero-filled. */
-UMP_HIDDEN int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero);
-UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size);
+/* ctx: the CUDA context to work under (NULL: ump's). */
+UMP_HIDDEN int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero,
+                                   void *ctx);
+UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size, void *ctx);
 /* Advise a new managed chunk to live on the host and be mapped by the GPU. */
 UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
 

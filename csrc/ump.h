@@ -21,7 +21,7 @@ extern "C" {
  * hand; bump it when one changes. Constants and struct layouts need no
  * version: the extension module exports them (module.c) and the Python layer
  * builds its mirrors from what it exports. */
-#define UMP_ABI_VERSION 5
+#define UMP_ABI_VERSION 6
 
 /* CuPy's kernels and memory pool work in 512-byte units, so every block is
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
@@ -93,7 +93,9 @@ enum ump_error {
 #undef UMP_ERROR_ENUM
 };
 
-#define UMP_MAX_ARENAS 8
+/* Arenas: two per backend enabled in the process, and one per other GPU
+ * CuPy allocates on (csrc/arena.c). */
+#define UMP_MAX_ARENAS 64
 #define UMP_MAX_POOLS 16
 
 /* The statistics structs are lists of uint64_t fields, each written once:
@@ -125,8 +127,13 @@ int ump_set_numpy_arena(int arena);
 int ump_get_numpy_arena(void);
 
 /* --- arenas -------------------------------------------------------------- */
-/* flags: UMP_ARENA_FLAGS. */
-int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags);
+/* flags: UMP_ARENA_FLAGS. Arenas of one kind and one `device` share one
+ * budget (cap_bytes: its cap); device -1 is the backend's main budget, a
+ * device index a budget of that GPU's own (memory that lives on it). ctx:
+ * the CUDA context chunks are made and freed under (0: ump's), which is
+ * the device cudaPointerGetAttributes names for them. */
+int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int device,
+                     uintptr_t ctx);
 int ump_arena_set_cap(int arena, uint64_t cap_bytes);
 void *ump_arena_alloc(int arena, size_t size);
 int ump_arena_free(void *ptr);

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from _threads import run_threads
-from ump import _core
+from ump import UmpError, _core
 
 MiB = 1 << 20
 
@@ -245,3 +245,33 @@ def test_fork_child_falls_back_and_frees_inherited_blocks(arena):
     assert _core.is_forked_child() == 0
     assert _core.lookup(inherited)[0] == "host"  # the parent's block is untouched
     _core.free(inherited, 4096)
+
+
+def test_arenas_share_a_budget_per_kind_and_device():
+    """The CuPy-side arenas of other GPUs each have their device's budget;
+    arenas of one kind and device share one (devices 5 and 6: budgets no
+    other test uses)."""
+    first = _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, cupy_side=True, device=5)
+    again = _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, cupy_side=True, device=5)
+    sibling = _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, device=5)  # NumPy side, same budget
+    other = _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, cupy_side=True, device=6)
+    assert first.id == again.id and len({first.id, sibling.id, other.id}) == 3
+    held = first.allocate(6 * MiB)
+    try:
+        with pytest.raises(_core.OutOfMemoryError):
+            sibling.allocate(6 * MiB)  # the same budget: 12 MiB > 8 MiB
+        elsewhere = other.allocate(6 * MiB)  # another device's budget: room
+        other.deallocate(elsewhere)
+        other.set_cap(16 * MiB)
+        assert first.statistics().cap_bytes == 8 * MiB and other.statistics().cap_bytes == 16 * MiB
+    finally:
+        first.deallocate(held)
+    for arena in (first, sibling, other):
+        arena.trim()
+
+
+def test_an_arena_with_a_context_must_take_cuda_memory():
+    with pytest.raises(UmpError):
+        _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, device=7, context=0x1234)
+    with pytest.raises(UmpError):
+        _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, device=-2)

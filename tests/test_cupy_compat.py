@@ -46,16 +46,20 @@ def test_set_capsule_device_refuses_other_objects():
 
 def test_elf_symbol_finds_a_private_variable():
     """The lookup ump uses for CuPy's flags, on ump's own extension: the
-    per-kind budgets (a static array in csrc/arena.c) hold the cap just set."""
+    budgets (a static array in csrc/arena.c: {int kind, int device,
+    uint64 held, uint64 cap} each) hold the cap just set."""
     found = _cupy_compat._elf_symbol(_ucore.__file__, b"budgets")
     assert found is not None
     offset, size = found
-    assert size == 16 * (max(_core.KINDS) + 1)  # {held, cap} per kind
+    assert size == 24 * _core.MAX_ARENAS  # at most one budget per arena
     cap = 48 << 20
     _core.Arena("host", _core.PROVIDER_HOST, cap)
     base = _cupy_compat._load_base(_ucore)
-    kind = _core.KIND_IDS["host"]
-    assert ctypes.c_uint64.from_address(base + offset + 16 * kind + 8).value == cap
+    entries = [(ctypes.c_int32.from_address(base + offset + 24 * i).value,
+                ctypes.c_int32.from_address(base + offset + 24 * i + 4).value,
+                ctypes.c_uint64.from_address(base + offset + 24 * i + 16).value)
+               for i in range(_core.MAX_ARENAS)]
+    assert (_core.KIND_IDS["host"], -1, cap) in entries
     assert _cupy_compat._elf_symbol(_ucore.__file__, b"no_such_symbol_in_ump") is None
 
 

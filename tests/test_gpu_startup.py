@@ -186,3 +186,8 @@ def test_arrays_belong_to_the_current_device(gpu_caps, name):
             assert h.data.ptr == a.ctypes.data
         back = cupy.asnumpy(g)
     assert back[-1] == (1 << 16) - 1
+    # The driver names the device each array belongs to (PyTorch reads it):
+    # the chunks of each device's arena or pool are made under its context.
+    g0 = cupy.arange(1 << 16, dtype=cupy.float64)
+    attributes = cupy.cuda.runtime.pointerGetAttributes
+    assert attributes(g.data.ptr).device == 1 and attributes(g0.data.ptr).device == 0

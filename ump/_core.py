@@ -14,7 +14,7 @@ from ._errors import OutOfMemoryError, UmpError
 
 # The version of the functions' signatures declared below (UMP_ABI_VERSION in
 # csrc/ump.h). Constants and struct layouts are read from the extension.
-ABI_VERSION = 5
+ABI_VERSION = 6
 if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
     raise ImportError(
         f"ump's C extension has ABI {_ucore.ABI_VERSION}, the Python layer expects "
@@ -79,7 +79,7 @@ realloc = _sig("ump_realloc", _vp, _vp, _sz)
 free = _sig("ump_free", None, _vp, _sz)
 set_numpy_arena = _sig("ump_set_numpy_arena", _int, _int)
 get_numpy_arena = _sig("ump_get_numpy_arena", _int)
-_arena_create = _sig("ump_arena_create", _int, _int, _int, _u64, _int)
+_arena_create = _sig("ump_arena_create", _int, _int, _int, _u64, _int, _int, _uptr)
 _arena_set_cap = _sig("ump_arena_set_cap", _int, _int, _u64)
 _arena_alloc = _sig("ump_arena_alloc", _vp, _int, _sz)
 _arena_free = _sig("ump_arena_free", _int, _vp)
@@ -209,17 +209,23 @@ class Arena:
     """A size-class arena of the C core over chunks from one provider.
 
     Arenas live as long as the process (blocks may outlive ``disable()``);
-    creating one with the same kind, provider and advice returns the same
-    arena with the new cap.
+    creating one with the same kind, provider, advice, device and context
+    returns the same arena with the new cap.
+
+    Arenas of one kind share a budget (``cap`` is its cap): the backend's
+    main one (``device=-1``), or that of one GPU (``device=k``) for memory
+    that lives there. ``context`` is the CUDA context chunks are made under
+    (0: ump's), the device ``cudaPointerGetAttributes`` names for them.
     """
 
     def __init__(self, kind: str, provider: int, cap: int, advise_host: bool = False,
-                 cupy_side: bool = False):
+                 cupy_side: bool = False, device: int = -1, context: int = 0):
         if cap < 0:
             raise ValueError(f"arena cap must be >= 0 bytes, got {cap}")
         self.kind = kind
+        self.device = device
         flags = (ARENA_ADVISE_HOST if advise_host else 0) | (ARENA_CUPY if cupy_side else 0)
-        arena_id = _arena_create(KIND_IDS[kind], provider, cap, flags)
+        arena_id = _arena_create(KIND_IDS[kind], provider, cap, flags, device, context)
         if arena_id < 0:
             check(last_status(), f"creating the {kind} arena")
         self.id = arena_id

@@ -246,22 +246,24 @@ class UnifiedUpstream:
     """
 
     def __init__(self, cupy, arena, backend_name: str, release: ReleaseQueue, error_class,
-                 spill: bool):
+                 spill: bool, device: int = 0, arena_for=None):
         self.cupy = cupy
         self.spill = spill
-        self.arena = arena
+        self.arena = arena  # the enabled device's
+        self.device = device
+        self.arena_for = arena_for  # device -> the arena of another GPU
         self.backend_name = backend_name
         self.release = release
         self.error_class = error_class
         self.pool = None  # set by the hook: the CuPy pool this feeds
         self.status = 0  # the arena's last failure (ump's or CUDA's status)
 
-    def _try(self, size: int):
+    def _try(self, arena, device: int, size: int):
         cuda = self.cupy.cuda
-        ptr = _core._arena_alloc(self.arena.id, size)
+        ptr = _core._arena_alloc(arena.id, size)
         self.status = _core.last_status() if not ptr else 0
         if ptr:
-            mem = cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cuda.runtime), cuda.runtime.getDevice())
+            mem = cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cuda.runtime), device)
             return cuda.memory.MemoryPointer(mem, 0)
         if not self.spill:
             return None
@@ -274,7 +276,9 @@ class UnifiedUpstream:
             return None
 
     def __call__(self, size: int):
-        got = self._try(size)
+        device = self.cupy.cuda.runtime.getDevice()  # CuPy's pool asks on its own device
+        arena = self.arena if device == self.device or self.arena_for is None else self.arena_for(device)
+        got = self._try(arena, device, size)
         if got is not None:
             return got
         # What CuPy's pool does on an allocation error, done here so the
@@ -287,10 +291,10 @@ class UnifiedUpstream:
                 gc.collect()
             self.release.drain()
             self.pool.free_all_blocks()
-            got = self._try(size)
+            got = self._try(arena, device, size)
             if got is not None:
                 return got
-        stats = self.arena.statistics()
+        stats = arena.statistics()
         raise self.error_class(
             f"CuPy asked for {size} bytes: the {self.backend_name} backend's budget of "
             f"{stats.cap_bytes} bytes holds {stats.held_bytes}"

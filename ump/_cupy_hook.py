@@ -98,7 +98,8 @@ class _Export:
 class CupyHook:
     """Everything ump changes in CuPy while enabled, and how to undo it."""
 
-    def __init__(self, cupy, backend, arena, options, headroom: int, pool=None, pool_for=None):
+    def __init__(self, cupy, backend, arena, options, headroom: int, pool=None, pool_for=None,
+                 arena_for=None):
         self.cupy = cupy
         self.device = options.device
         self.pool_for = pool_for  # backend "device": the VMM pool of another device
@@ -111,7 +112,8 @@ class CupyHook:
         self.copies = pool is not None
         if pool is None:
             upstream = UnifiedUpstream(cupy, arena, backend.name, self.release, self.out_of_memory,
-                                       spill=backend.spills_to_device)
+                                       spill=backend.spills_to_device, device=self.device,
+                                       arena_for=arena_for)
             pool = upstream.pool = cupy.cuda.MemoryPool(upstream)
         self.pool = pool
         self._patches = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import warnings
@@ -102,6 +103,7 @@ def current() -> State | None:
 
 
 _contexts: dict = {}  # device -> its primary context, retained once for the process
+_device_arenas: dict = {}  # device -> the CuPy-side arena of a GPU other than the enabled one
 
 
 def _gpu_context(device: int) -> tuple[int, int, int]:
@@ -141,6 +143,29 @@ def _new_device_pool(device: int, **limits) -> _vmm.VMMPool:
         pool.close()
         raise
     return pool
+
+
+def _cupy_arena_on(chosen: backends.Backend, opts: Options, main: _core.Arena, device: int) -> _core.Arena:
+    """The arena CuPy allocates from on a GPU other than the enabled one,
+    made at its first use. Its chunks are made under that GPU's context, so
+    they name that GPU to cudaPointerGetAttributes as CuPy's arrays do; it
+    has that GPU's own budget where the backend's memory lives on the GPU
+    (managed), and shares the main one where it is the host's (pinned).
+    Chunks of plain host memory (system) have no context: the main arena."""
+    if chosen.provider == _core.PROVIDER_HOST:
+        return main
+    with _lock:
+        arena = _device_arenas.get(device)
+        if arena is None:
+            check_device_index(device)
+            ctx, free, total = _gpu_context(device)
+            if chosen.gpu_resident:
+                cap, budget = _budgets(chosen, opts, (free, total))[1], device
+            else:
+                cap, budget = main.statistics().cap_bytes, -1
+            arena = _device_arenas[device] = _core.Arena(chosen.name, chosen.provider, cap, cupy_side=True,
+                                                         device=budget, context=ctx)
+        return arena
 
 
 def _device_pool(device: int) -> _vmm.VMMPool:
@@ -287,8 +312,10 @@ def enable(backend: str = "auto", **options) -> str:
                 # Its own arena even where the chunks are alike: statistics
                 # then tell NumPy's blocks from those CuPy's pool caches.
                 cupy_arena = _core.Arena(chosen.name, chosen.provider, cupy_cap, cupy_side=True)
+            _device_arenas.clear()  # made again under this enable's options (the same C arenas)
+            arena_for = None if cupy_arena is None else functools.partial(_cupy_arena_on, chosen, opts, cupy_arena)
             hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts, headroom, pool=pool,
-                                       pool_for=_device_pool)
+                                       pool_for=_device_pool, arena_for=arena_for)
             with cupy.cuda.Device(opts.device):
                 hook.install()
         try:

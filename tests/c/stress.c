@@ -306,7 +306,7 @@ int main(int argc, char **argv)
 {
     if (argc > 1)
         ops_per_thread = atol(argv[1]);
-    arena = ump_arena_create(UMP_KIND_HOST, UMP_PROVIDER_HOST, (uint64_t)1 << 30, 0);
+    arena = ump_arena_create(UMP_KIND_HOST, UMP_PROVIDER_HOST, (uint64_t)1 << 30, 0, -1, 0);
     CHECK(arena >= 0);
     CHECK(ump_set_numpy_arena(arena) == UMP_OK);
 
