@@ -7,6 +7,7 @@ beside it (its pytest settings: strict markers, warning filters).
     UMP_SUITE_RUNS=stock python tools/cupy_suite.py ...   # one side only
     UMP_SUITE_BACKEND=device python tools/cupy_suite.py ...   # ump with another backend
     UMP_SUITE_TIMEOUT=240 python tools/cupy_suite.py ...  # interrupt each side after 240 s
+    UMP_SUITE_GPUS=0,1 python tools/cupy_suite.py ...     # both sides at once, one GPU each
     python tools/cupy_suite.py --compare STOCK.xml UMP.xml
 
 The "stock" run is CuPy as shipped (CUPY_ENABLE_UMP unset: its own UMP path
@@ -26,6 +27,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 def outcomes(xml_path: pathlib.Path) -> dict[str, str]:
@@ -76,39 +78,72 @@ def main(argv):
         raise SystemExit(f"{tests.parent}/pyproject.toml is missing: put CuPy's (v14.2.0) there, "
                          "its [tool.pytest.ini_options] are how CuPy runs its tests")
     wanted = os.environ.get("UMP_SUITE_RUNS", "stock,ump").split(",")
-    runs = {}
     backend = os.environ.get("UMP_SUITE_BACKEND", "auto")
     cap = os.environ.get("UMP_CUPY_SUITE_CAP", "4G")
     limit = float(os.environ.get("UMP_SUITE_TIMEOUT", "0")) or None  # seconds per side
-    ump_args = ["-p", "ump.pytest_plugin", f"--ump={backend}", f"--ump-cap={cap}"]
+    # One GPU per side, both running at once (each sees its GPU as device 0).
+    gpus = [g for g in os.environ.get("UMP_SUITE_GPUS", "").split(",") if g]
+    ump_args = [*_load_plugin(), f"--ump={backend}", f"--ump-cap={cap}"]
+    sides = []
     for label, extra_env, plugin in (("stock", {}, []), ("ump", {"CUPY_ENABLE_UMP": "1"}, ump_args)):
         if label not in wanted:
             continue
         env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
         env.update(extra_env)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[len(sides) % len(gpus)]
         name = label if label == "stock" or backend == "auto" else f"{label}-{backend}"
-        xml = out / f"cupy-suite-{name}.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, f"--junitxml={xml}", *args]
-        log = out / f"cupy-suite-{name}.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, cwd=tests, env=env, stdout=f, stderr=subprocess.STDOUT)
-            try:
-                proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                # pytest writes the JUnit XML of what ran when interrupted
-                print(f"{name}: interrupted after {limit:.0f} s", flush=True)
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        if not xml.exists():
-            raise SystemExit(f"{name}: pytest left no results ({xml}); its log: {log}")
-        runs[label] = outcomes(xml)
-        print(f"{name}: {_counts(runs[label])} (passed / failed / skipped)", flush=True)
+        sides.append((label, name, env, plugin))
+    runs = {}
+    if gpus:
+        started = [_start(tests, out, name, env, plugin, args) for _, name, env, plugin in sides]
+        for (label, name, _, _), run in zip(sides, started):
+            runs[label] = _finish(name, *run, limit)
+    else:
+        for label, name, env, plugin in sides:
+            runs[label] = _finish(name, *_start(tests, out, name, env, plugin, args), limit)
     if len(runs) == 2:
         report(runs["stock"], runs["ump"])
+
+
+def _load_plugin() -> list[str]:
+    """``-p ump.pytest_plugin`` where ump is not installed (pytest loads an
+    installed package's plugin through its entry point, and refuses it twice)."""
+    from importlib.metadata import entry_points
+
+    installed = any(ep.value == "ump.pytest_plugin" for ep in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "ump.pytest_plugin"]
+
+
+def _start(tests, out, name, env, plugin, args):
+    xml = out / f"cupy-suite-{name}.xml"
+    log = out / f"cupy-suite-{name}.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, f"--junitxml={xml}", *args]
+    f = open(log, "w")
+    proc = subprocess.Popen(cmd, cwd=tests, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, f, xml, log, time.monotonic()
+
+
+def _finish(name, proc, f, xml, log, started, limit):
+    """Wait for a side (interrupting it ``limit`` seconds after it started);
+    its outcomes."""
+    with f:
+        try:
+            proc.wait(timeout=None if limit is None else max(limit - (time.monotonic() - started), 0))
+        except subprocess.TimeoutExpired:
+            # pytest writes the JUnit XML of what ran when interrupted
+            print(f"{name}: interrupted after {limit:.0f} s", flush=True)
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    if not xml.exists():
+        raise SystemExit(f"{name}: pytest left no results ({xml}); its log: {log}")
+    run = outcomes(xml)
+    print(f"{name}: {_counts(run)} (passed / failed / skipped)", flush=True)
+    return run
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""tools/cupy_suite.py on the CPU: a stand-in for CuPy's tests folder (its
+pyproject.toml beside it, a tests/cupy_tests/ tree) run stock and under
+ump's plugin (the host backend here), one side after the other or both at
+once; the counts per directory and the tests whose outcome differs."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "cupy_suite.py"
+
+TESTS = '''
+import os
+import time
+
+
+def test_everywhere():
+    assert True
+
+
+def test_only_stock():
+    assert os.environ.get("CUPY_ENABLE_UMP") != "1"  # fails on the ump side
+
+
+def test_sees_its_gpu():
+    assert os.environ.get("CUDA_VISIBLE_DEVICES", "0") in ("0", "1")
+
+
+def test_slow():
+    time.sleep(float(os.environ.get("SLOW", "0")))
+'''
+
+
+@pytest.fixture
+def suite(tmp_path):
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    folder = tmp_path / "tests" / "cupy_tests" / "core_tests"
+    folder.mkdir(parents=True)
+    (folder / "test_sample.py").write_text(TESTS)
+    out = tmp_path / "out"
+    out.mkdir()
+    return tmp_path / "tests", out
+
+
+def _run(suite, **env):
+    tests, out = suite
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("UMP_", "PYTEST_"))}
+    environ.update(env)
+    return subprocess.run([sys.executable, str(TOOL), str(tests), str(out), "-p", "no:randomly", "cupy_tests"],
+                          env=environ, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("gpus", [None, "0,1"], ids=["one-after-the-other", "both-at-once"])
+def test_both_sides_run_and_their_differences_are_listed(suite, gpus):
+    result = _run(suite, **({"UMP_SUITE_GPUS": gpus} if gpus else {}))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stock: 4 / 0 / 0" in result.stdout and "ump: 3 / 1 / 0" in result.stdout
+    assert "core_tests: 4 / 0 / 0 | 3 / 1 / 0" in result.stdout
+    assert "1 tests differ" in result.stdout
+    assert "passed -> failed" in result.stdout and "test_only_stock" in result.stdout
+    _, out = suite
+    assert (out / "cupy-suite-stock.xml").exists() and (out / "cupy-suite-ump.xml").exists()
+
+
+def test_a_side_past_its_time_is_interrupted_and_keeps_what_ran(suite):
+    result = _run(suite, SLOW="60", UMP_SUITE_TIMEOUT="8", UMP_SUITE_RUNS="stock")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stock: interrupted after 8 s" in result.stdout
+    assert "stock: 3 / 0 / 0" in result.stdout  # the test cut short is not counted
+
+
+def test_compare_reads_stored_results(suite):
+    assert _run(suite).returncode == 0
+    _, out = suite
+    result = subprocess.run([sys.executable, str(TOOL), "--compare", str(out / "cupy-suite-stock.xml"),
+                             str(out / "cupy-suite-ump.xml")], capture_output=True, text=True, timeout=60)
+    assert "1 tests differ" in result.stdout and "test_only_stock" in result.stdout
