@@ -178,18 +178,24 @@ class ReleaseQueue:
             self.synchronized(d, mark)
 
 
+_device_handles: list = []  # CUdevice of each GPU, read once
+
+
 def _devices_with_contexts() -> list[int]:
     """The GPUs on which this process has an active primary context (CuPy's
-    and ump's): the only ones that can have work of it queued."""
+    and ump's): the only ones that can have work of it queued. One driver
+    call per GPU (the handles are read once): this runs at every host
+    export on a machine with several GPUs."""
     from cuda.bindings import driver
 
     from ._errors import UmpError
     from ._probe import _call, _DriverError
 
     try:
-        count = _call(driver.cuDeviceGetCount)
-        return [d for d in range(count)
-                if _call(driver.cuDevicePrimaryCtxGetState, _call(driver.cuDeviceGet, d))[1]]
+        if not _device_handles:
+            _device_handles[:] = [_call(driver.cuDeviceGet, d) for d in range(_call(driver.cuDeviceGetCount))]
+        return [d for d, handle in enumerate(_device_handles)
+                if _call(driver.cuDevicePrimaryCtxGetState, handle)[1]]
     except _DriverError as err:
         raise UmpError(f"finding the GPUs to wait for: {err}") from err
 
