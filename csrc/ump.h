@@ -175,10 +175,12 @@ typedef struct { UMP_VMM_VIEW_TIMES_FIELDS(UMP_U64_FIELD) } ump_vmm_view_times_t
 
 /* provider: UMP_PROVIDER_DEVICE, or UMP_PROVIDER_HOST for the same pool on an
  * emulated physical layer (memfd) that runs without a GPU. ctx: the device's
- * primary context. limit 0: none. Returns a pool id, or a negative status. */
+ * primary context. limit 0: none. Returns a pool id, or a negative status.
+ * At most UMP_MAX_POOLS pools exist at once; an id is never handed out again
+ * for about a million pools made in the same slot after it. */
 int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit);
 /* Only when no block, buffer or view is live. Every later call with the id
- * fails with UMP_ERR_HANDLE, until ump_vmm_create hands the id out again. */
+ * fails with UMP_ERR_HANDLE. */
 int ump_vmm_destroy(int pool);
 uintptr_t ump_vmm_alloc(int pool, uint64_t size, uintptr_t stream);
 int ump_vmm_free(int pool, uintptr_t ptr);

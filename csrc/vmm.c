@@ -131,6 +131,17 @@ static pool_t pools[UMP_MAX_POOLS];
  * a device synchronisation, which would stall every other pool's calls. */
 static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
 static int n_pools_used;
+/* A pool's id is its slot plus UMP_MAX_POOLS times the slot's generation,
+ * which moves on when the slot is freed: the id of a destroyed pool never
+ * names the pool made next in its slot. Under pools_lock. */
+#define POOL_GENERATIONS (1 << 20)
+static int pool_gen[UMP_MAX_POOLS];
+
+static int pool_id(const pool_t *p)
+{
+    int slot = (int)(p - pools);
+    return slot + UMP_MAX_POOLS * pool_gen[slot];
+}
 
 static int fail(int status) { return ump__set_status(status); }
 
@@ -875,6 +886,7 @@ static void pool_unpin(pool_t *p)
     if (--p->users == 0 && __atomic_load_n(&p->closing, __ATOMIC_RELAXED)) {
         pthread_mutex_destroy(&p->lock);
         memset(p, 0, sizeof *p);
+        pool_gen[p - pools] = (pool_gen[p - pools] + 1) % POOL_GENERATIONS;
         __atomic_fetch_sub(&n_pools_used, 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&pools_lock);
@@ -892,11 +904,11 @@ static void pool_leave(pool_t *p)
 static int pool_enter(int id, pool_t **out)
 {
     *out = NULL;
-    if (id < 0 || id >= UMP_MAX_POOLS)
+    if (id < 0 || id >= UMP_MAX_POOLS * POOL_GENERATIONS)
         return UMP_ERR_ARG;
-    pool_t *p = &pools[id];
+    pool_t *p = &pools[id % UMP_MAX_POOLS];
     pthread_mutex_lock(&pools_lock);
-    int open = pool_pin(p);
+    int open = pool_gen[id % UMP_MAX_POOLS] == id / UMP_MAX_POOLS && pool_pin(p);
     pthread_mutex_unlock(&pools_lock);
     if (!open)
         return UMP_ERR_HANDLE;
@@ -979,6 +991,7 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
     p->st.granularity = gran;
     p->used = 1;
     __atomic_fetch_add(&n_pools_used, 1, __ATOMIC_RELEASE);
+    id = pool_id(p);
     pthread_mutex_unlock(&pools_lock);
     return id;
 }
@@ -1872,7 +1885,7 @@ int ump__vmm_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *pool)
         }
         if (found) {
             kind = p->provider == UMP_PROVIDER_HOST ? UMP_KIND_HOST : UMP_KIND_DEVICE;
-            *pool = (int)(p - pools);
+            *pool = pool_id(p); /* pinned: its generation holds */
         }
         pool_leave(p);
     }

@@ -360,7 +360,18 @@ def test_a_destroyed_pools_id_is_a_stale_handle(pool):
     assert _core.vmm_stats(pool_id, ctypes.byref(st)) == _core.ERR_HANDLE
     assert _core.vmm_destroy(pool_id) == _core.ERR_HANDLE
     assert _core.vmm_stats(-1, ctypes.byref(st)) == _core.ERR_ARG
-    assert _core.vmm_stats(_core.MAX_POOLS, ctypes.byref(st)) == _core.ERR_ARG
+    assert _core.vmm_stats(2**31 - 1, ctypes.byref(st)) == _core.ERR_ARG
+    # The next pool takes the freed slot under another id: the old id
+    # still names nothing.
+    again = VMMPool(emulate=True, reserve=8 << 30)
+    try:
+        assert again.id != pool_id and again.id % _core.MAX_POOLS == pool_id % _core.MAX_POOLS
+        assert _core.vmm_stats(pool_id, ctypes.byref(st)) == _core.ERR_HANDLE
+        ptr = again.allocate(4096)
+        assert _core.lookup_owner(ptr)[3] == _core.MAX_ARENAS + again.id  # lookups name the new id
+        again.deallocate(ptr)
+    finally:
+        again.close()
 
 
 def test_a_pool_closed_under_a_call_says_so(pool):

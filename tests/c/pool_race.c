@@ -13,6 +13,7 @@
  *
  * cc -fsanitize=thread -pthread csrc/{common,arena,cuda,vmm,lookup}.c tests/c/pool_race.c -ldl
  */
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -229,9 +230,18 @@ static void round_trip(void)
     CHECK(ump_vmm_view_destroy(pool, 0) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_destroy(pool) == UMP_ERR_HANDLE);
     CHECK(ump_lookup(__atomic_load_n(&shown, __ATOMIC_RELAXED), NULL, NULL, NULL) == UMP_KIND_NONE);
+    /* The next pool made in the same slot has another id: the old one
+     * still names nothing. */
+    int next = ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)1 << 30, 0);
+    CHECK(next >= 0 && next != pool && next % UMP_MAX_POOLS == pool % UMP_MAX_POOLS);
+    CHECK(ump_vmm_stats(pool, &st) == UMP_ERR_HANDLE && ump_vmm_destroy(pool) == UMP_ERR_HANDLE);
+    uintptr_t b = ump_vmm_alloc(next, 4096, 0), lb;
+    int owner;
+    CHECK(b && ump_lookup(b, &lb, NULL, &owner) == UMP_KIND_HOST && owner == UMP_MAX_ARENAS + next);
+    CHECK(ump_vmm_free(next, b) == UMP_OK && ump_vmm_destroy(next) == UMP_OK);
     /* An id no pool can have is a bad argument, not a stale handle. */
     CHECK(ump_vmm_stats(-1, &st) == UMP_ERR_ARG);
-    CHECK(ump_vmm_stats(UMP_MAX_POOLS, &st) == UMP_ERR_ARG);
+    CHECK(ump_vmm_stats(INT_MAX, &st) == UMP_ERR_ARG);
 }
 
 int main(int argc, char **argv)
