@@ -101,3 +101,10 @@ def test_pinned_memory_of_another_gpu_shares_the_hosts_budget(contexts):
 def test_system_memory_has_no_context_to_tell_devices_apart(contexts):
     main = _core.Arena("system", _core.PROVIDER_HOST, 64 * MiB, cupy_side=True, device=12)
     assert _enable._cupy_arena_on(backends.SYSTEM, _enable.Options(), main, 1) is main
+
+
+def test_a_gpu_without_room_makes_cupy_run_out_of_memory_there(contexts, monkeypatch):
+    monkeypatch.setattr(_enable, "_gpu_context", lambda d: (0x1000 + d, 64 * MiB, 8 << 30))
+    main = _core.Arena("managed", _core.PROVIDER_MANAGED, 4 << 30, cupy_side=True)
+    arena = _enable._cupy_arena_on(backends.MANAGED, _enable.Options(), main, 3)
+    assert arena.device == 3 and arena.statistics().cap_bytes == 0  # an allocation fails as out of memory

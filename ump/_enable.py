@@ -160,7 +160,11 @@ def _cupy_arena_on(chosen: backends.Backend, opts: Options, main: _core.Arena, d
             check_device_index(device)
             ctx, free, total = _gpu_context(device)
             if chosen.gpu_resident:
-                cap, budget = _budgets(chosen, opts, (free, total))[1], device
+                try:
+                    cap = _budgets(chosen, opts, (free, total))[1]
+                except UmpError:
+                    cap = 0  # no room on that GPU: CuPy's allocations there are out of memory
+                budget = device
             else:
                 cap, budget = main.statistics().cap_bytes, -1
             arena = _device_arenas[device] = _core.Arena(chosen.name, chosen.provider, cap, cupy_side=True,
