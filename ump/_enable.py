@@ -129,15 +129,10 @@ def _new_device_pool(device: int, **limits) -> _vmm.VMMPool:
     reach it: stock CuPy's memory is, once CuPy enables peer access (which it
     does by itself for a cross-device copy), and cudaDeviceEnablePeerAccess
     does not reach VMM mappings."""
-    from cuda.bindings import driver
-
-    from ._probe import _call
-
     pool = _vmm.VMMPool(device, **limits)
     try:
         for peer in range(len(probe().devices)):
-            if peer != device and all(_call(driver.cuDeviceCanAccessPeer, a, b)
-                                      for a, b in ((peer, device), (device, peer))):
+            if peer != device and _vmm.can_access_peer(peer, device) and _vmm.can_access_peer(device, peer):
                 pool.grant(peer)
     except BaseException:
         pool.close()

@@ -128,6 +128,13 @@ class _Block:
         _core.vmm_free(self.pool, self.ptr)
 
 
+def can_access_peer(device: int, peer: int) -> bool:
+    """Whether kernels on ``device`` can reach memory of ``peer``."""
+    from cuda.bindings import driver
+
+    return bool(_call(driver.cuDeviceCanAccessPeer, device, peer))
+
+
 class VMMPool:
     """A device-memory pool on CUDA's virtual memory management API.
 
@@ -350,11 +357,9 @@ class VMMPool:
         """
         check_device_index(device)
         if not self.emulated and device != self.device:
-            from cuda.bindings import driver
-
             device_info(probe(), device)
             for a, b in ((device, self.device), (self.device, device)):
-                if not _call(driver.cuDeviceCanAccessPeer, a, b):
+                if not can_access_peer(a, b):
                     raise UmpError(f"device {a} cannot access memory of device {b} "
                                    "(cuDeviceCanAccessPeer is 0)")
         _core.check(_core.vmm_grant(self.id, device), f"granting device {device} access to the pool")
