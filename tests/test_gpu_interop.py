@@ -133,9 +133,9 @@ def test_host_reader_waits_for_the_kernel(gpu_backend, path, record):
 @pytest.mark.parametrize("path", ["cupy.asnumpy", "numpy.asarray"])
 def test_a_copy_into_another_gpu_is_finished_before_the_host_reads(gpu_backend, path):
     """CuPy copies into an array of GPU 1 with a kernel on the current GPU 0,
-    queued here behind a spinning kernel: GPU 1 has nothing queued, so a
-    read that waited for the array's own GPU alone would see the old values
-    (CuPy's test_copyto_multigpu)."""
+    queued on a non-blocking stream behind a spinning kernel: GPU 1 has
+    nothing queued, so a read that waited for the array's own GPU alone
+    would see the old values (CuPy's test_copyto_multigpu)."""
     name, cupy = gpu_backend
     if cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
@@ -144,12 +144,13 @@ def test_a_copy_into_another_gpu_is_finished_before_the_host_reads(gpu_backend, 
         b = cupy.zeros(N, dtype=cupy.float64)
         cupy.cuda.Device(1).synchronize()
     a = cupy.zeros(N, dtype=cupy.float64)  # on GPU 0
-    for i in range(1, 4):
-        _spin_kernel(cupy)(((N + 255) // 256,), (256,), (a, np.int64(N), np.int64(CYCLES), np.float64(i)))
-        with warnings.catch_warnings():
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for i in range(1, ROUNDS + 1):
+        _race(cupy, a, stream, float(i))
+        with stream, warnings.catch_warnings():
             warnings.simplefilter("ignore", cupy._util.PerformanceWarning)  # peer access enabled
             cupy.copyto(b, a)
-        out = read(b)
+        out = read(b)  # at once: the copy waits behind the spinning kernel
         assert b.device.id == 1 and (out == i).all(), f"round {i}: read before GPU 0's copy finished"
 
 
