@@ -55,7 +55,6 @@ typedef struct budget {
 
 struct arena {
     int id, kind, provider, flags; /* UMP_ARENA_* */
-    int device;                    /* its budget's device */
     void *ctx;                     /* CUcontext chunks are made under; NULL: ump's */
     budget_t *budget;
     pthread_mutex_t lock;
@@ -426,7 +425,7 @@ int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int 
     for (int i = 0; i < n_arenas; i++) {
         arena_t *a = arenas[i];
         if (a->kind == kind && a->provider == provider && a->flags == flags &&
-            a->device == device && a->ctx == (void *)ctx) {
+            a->budget->device == device && a->ctx == (void *)ctx) {
             __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
             pthread_mutex_unlock(&arenas_lock);
             return i;
@@ -445,7 +444,6 @@ int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int 
     a->kind = kind;
     a->provider = provider;
     a->flags = flags;
-    a->device = device;
     a->ctx = (void *)ctx;
     a->budget = budget_of(kind, device);
     __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
