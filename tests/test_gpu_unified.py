@@ -294,6 +294,36 @@ def test_placement_auto_migrates_blocks_the_gpu_works_on(gpu_caps):
     assert state(busy).on_gpu is None and b[-1] == 6.0  # and brought back
 
 
+@pytest.mark.serial
+def test_placement_auto_keeps_a_peeked_block_on_the_gpu(gpu_caps):
+    """Handed to CuPy once, then steps of two memory-bound kernels and a
+    host export of which the host reads 4 KiB: from the second export the
+    block lives on the GPU, and every read still sees every kernel."""
+    from ump import backends
+
+    if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
+        pytest.skip("needs the managed backend")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    a = np.ones(64 << 20, dtype=np.float32)  # 256 MiB: ~13 ms a step over the link, ~0.3 ms in HBM
+    _, base, size = ump._core.lookup(a.ctypes.data)
+    g = cupy.asarray(a)
+    g += 0  # compiled before anything is timed
+    g *= 1
+    on_gpu = []
+    for step in range(8):
+        g += 1
+        g *= 1
+        b = cupy.asnumpy(g)
+        assert b[:1024].sum() == 1024 * (step + 2) and b.ctypes.data == a.ctypes.data
+        on_gpu.append(placement.state(base, size).on_gpu)
+    assert on_gpu[0] is None and on_gpu[1:] == [0] * 7  # moved at the second export, and stayed
+    assert placement.state(base, size).peeked
+    assert a[-1] == 9.0 and a.sum() == 9.0 * a.size  # NumPy reads all of it at the end
+
+
 def test_disable_restores_cupy(gpu_backend):
     name, cupy = gpu_backend
     a = np.arange(10.0)

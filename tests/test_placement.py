@@ -1,0 +1,192 @@
+"""The placement policy's decisions, on the CPU: a stand-in for the CuPy
+calls it makes (events on a GPU clock the test advances, the free memory,
+the stream) and for the prefetch, which records where each block was sent.
+What the moves cost on a GPU is in docs/backends.md; the GPU test of the
+policy is tests/test_gpu_unified.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from ump import _placement
+
+GiB = 1 << 30
+MiB = 1 << 20
+BASE = 0x7F0000000000
+
+
+class FakeCupy:
+    """The calls Placement makes, on a GPU clock that `work` advances."""
+
+    def __init__(self, free=64 * GiB):
+        self.clock = 0.0  # seconds of GPU work queued so far
+        self.free = free
+        self.stream_waits = 0
+        fake = self
+
+        class Event:
+            def record(self, stream=None):
+                self.at = fake.clock
+
+            def synchronize(self):
+                pass
+
+        class Stream:
+            ptr = 1234
+
+            def synchronize(self):
+                fake.stream_waits += 1
+
+        runtime = types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (fake.free, 80 * GiB))
+        self.cuda = types.SimpleNamespace(
+            Event=Event, runtime=runtime, get_current_stream=lambda: Stream(),
+            get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3)
+
+    def work(self, seconds):
+        self.clock += seconds
+
+
+@pytest.fixture
+def moves(monkeypatch):
+    """Every prefetch the policy issues: (size, device), -1 for the host."""
+    made = []
+    monkeypatch.setattr(_placement._core, "prefetch",
+                        lambda base, size, device, stream: made.append((size, device)))
+    return made
+
+
+def _policy(cupy, mode="auto"):
+    options = types.SimpleNamespace(placement=mode, prefetch_min=2 * MiB)
+    return _placement.Placement(cupy, options, headroom=GiB)
+
+
+def _step(policy, cupy, size, seconds, waited=None):
+    """Kernels costing `seconds` of GPU time, then a host export that
+    waited for them (all of them unless `waited` says otherwise)."""
+    cupy.work(seconds)
+    policy.on_host_export("managed", BASE, size, seconds if waited is None else waited)
+
+
+def test_round_trips_learn_to_migrate_once_the_gpu_time_beats_a_migration(moves):
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, GiB)
+    _step(policy, cupy, GiB, 0.05)  # below 0.13 s per GiB there and back
+    assert moves == [] and not policy.state(BASE, GiB).heavy
+    policy.on_handoff("managed", BASE, GiB)
+    _step(policy, cupy, GiB, 0.26)  # ten kernels over the link
+    assert moves == [] and policy.state(BASE, GiB).heavy
+    policy.on_handoff("managed", BASE, GiB)  # the next round trip: there ...
+    assert moves == [(GiB, 0)]
+    _step(policy, cupy, GiB, 0.05)  # ... and back at the export, waited for
+    assert moves == [(GiB, 0), (GiB, -1)] and cupy.stream_waits == 1
+
+
+def test_gpu_time_counts_no_more_than_the_host_waited(moves):
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, GiB)
+    _step(policy, cupy, GiB, 0.5, waited=0.01)  # the GPU worked while the host was busy
+    assert not policy.state(BASE, GiB).heavy
+
+
+def test_a_peek_loop_migrates_at_the_second_export_and_stays(moves):
+    size = 256 * MiB  # one way: 5.5 ms; two kernels over the link: 13 ms
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, size)
+    _step(policy, cupy, size, 0.013)
+    assert moves == []  # right after a hand-off the host may read it all
+    _step(policy, cupy, size, 0.013)  # a second export, no hand-off between
+    assert moves == [(size, 0)]
+    _step(policy, cupy, size, 0.0065)  # holds the migration: no verdict
+    for _ in range(5):
+        _step(policy, cupy, size, 0.0005)  # kernels in HBM, the host peeks
+    assert moves == [(size, 0)] and policy.state(BASE, size).peeked
+    policy.on_handoff("managed", BASE, size)  # the next loop starts on the GPU
+    _step(policy, cupy, size, 0.0005)
+    assert moves == [(size, 0)]  # not brought back: a peeked block stays
+
+
+def test_a_peeked_block_handed_over_again_goes_to_the_gpu_at_once(moves):
+    size = 256 * MiB
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    state = policy.blocks[(BASE, size)] = _placement.BlockState(peeked=True, host_seconds=0.013)
+    policy.on_handoff("managed", BASE, size)
+    assert moves == [(size, 0)] and state.moved
+    _step(policy, cupy, size, 0.006)  # the move's interval: no verdict
+    _step(policy, cupy, size, 0.0005)
+    assert moves == [(size, 0)] and state.peeked
+
+
+def test_a_loop_whose_host_reads_much_goes_back_to_the_host(moves):
+    size = 256 * MiB
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, size)
+    _step(policy, cupy, size, 0.013)
+    _step(policy, cupy, size, 0.013)
+    assert moves == [(size, 0)]
+    _step(policy, cupy, size, 0.007)
+    _step(policy, cupy, size, 0.010)  # the kernels fault back what the host read
+    assert moves == [(size, 0), (size, -1)]
+    state = policy.state(BASE, size)
+    assert state.on_gpu is None and state.stay_host and not state.peeked
+    for _ in range(3):
+        _step(policy, cupy, size, 0.013)
+    assert moves == [(size, 0), (size, -1)]  # host-resident until the next hand-off
+
+
+def test_a_migration_that_does_not_fit_is_not_made(moves):
+    size = 256 * MiB
+    cupy = FakeCupy(free=size)  # less the 1 GiB headroom: no room
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, size)
+    for _ in range(4):
+        _step(policy, cupy, size, 0.013)
+    assert moves == [] and policy.state(BASE, size).on_gpu is None
+
+
+def test_exports_without_gpu_work_move_nothing(moves):
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, GiB)
+    for _ in range(50):
+        _step(policy, cupy, GiB, 0.00001)  # cupy.asnumpy again and again
+    assert moves == []
+
+
+def test_an_export_without_a_wait_learns_nothing(moves):
+    size = 256 * MiB
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, size)
+    for _ in range(4):
+        cupy.work(0.013)
+        policy.on_host_export("managed", BASE, size, None)  # get(blocking=False)
+    assert moves == [] and policy.state(BASE, size).host_seconds is None
+
+
+def test_fixed_modes(moves):
+    cupy = FakeCupy()
+    host = _policy(cupy, "host")
+    host.on_handoff("managed", BASE, GiB)
+    _step(host, cupy, GiB, 1.0)
+    assert moves == [] and host.state(BASE, GiB) is None
+    migrate = _policy(cupy, "migrate")
+    for _ in range(2):
+        migrate.on_handoff("managed", BASE, GiB)
+        _step(migrate, cupy, GiB, 0.001)
+        _step(migrate, cupy, GiB, 0.001)
+    assert moves == [(GiB, 0), (GiB, -1)] * 2
+
+
+def test_small_blocks_and_other_kinds_are_left_alone(moves):
+    cupy = FakeCupy()
+    policy = _policy(cupy, "migrate")
+    policy.on_handoff("managed", BASE, MiB)  # below prefetch_min
+    policy.on_handoff("pinned", BASE + GiB, GiB)
+    assert moves == [] and not policy.blocks
