@@ -49,7 +49,9 @@ def suite(tmp_path):
 
 def _run(suite, **env):
     tests, out = suite
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("UMP_", "PYTEST_"))}
+    # The sides see the GPUs the tool gives them, not the ones this run was given.
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("UMP_", "PYTEST_")) and k != "CUDA_VISIBLE_DEVICES"}
     environ.update(env)
     return subprocess.run([sys.executable, str(TOOL), str(tests), str(out), "-p", "no:randomly", "cupy_tests"],
                           env=environ, capture_output=True, text=True, timeout=120)

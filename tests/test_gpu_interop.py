@@ -257,11 +257,48 @@ def test_numba_both_ways(gpu_backend, record):
         d = cuda.as_cuda_array(g)
         assert d.device_ctypes_pointer.value == g.data.ptr
         assert (d.copy_to_host() == i).all(), f"round {i}"
+    # The interface names no stream (the wait is done): Numba's copy_to_host()
+    # then copies synchronously, as into stock NumPy's pageable memory. On a
+    # stream named there it would return before 64 MiB had reached ump's
+    # pinned NumPy memory.
+    assert g.__cuda_array_interface__["stream"] is None
+    big = cupy.empty(8 << 20, dtype=cupy.float64)
+    for i in range(1, 4):
+        with stream:
+            big.fill(float(i))
+        h = cuda.as_cuda_array(big).copy_to_host()
+        assert h[-1] == i and (h == i).all(), f"64 MiB, round {i}"
     own = cuda.to_device(np.arange(100.0))
     c = cupy.asarray(own)
     assert c.data.ptr == own.device_ctypes_pointer.value
     np.testing.assert_array_equal(cupy.asnumpy(c), np.arange(100.0))
     record(path="numba.cuda.as_cuda_array", backend=name, result="shares", waits=5)
+
+
+@pytest.mark.filterwarnings("ignore:cupyx.allow_synchronize will be removed:UserWarning")
+def test_waits_are_declared_to_cupys_sync_detection(gpu_backend):
+    import cupyx
+
+    name, cupy = gpu_backend
+    g = cupy.arange(4.0)
+    with cupyx.allow_synchronize(False):
+        for read in (lambda: g.get(), lambda: cupy.asnumpy(g), lambda: g.__cuda_array_interface__):
+            with pytest.raises(cupyx.DeviceSynchronized):
+                read()
+    assert g.get()[3] == 3.0
+
+
+def test_structured_arrays_reach_the_host_with_their_dtype(gpu_backend):
+    """Fields out of order (a field selection) have no array-interface descr."""
+    name, cupy = gpu_backend
+    a = cupy.ones(10, "i,f,i")
+    a["f1"] = cupy.arange(10)
+    a["f2"] = -cupy.arange(10)
+    picked = a[["f2", "f1"]]
+    h = cupy.asnumpy(picked)
+    assert h.dtype == picked.dtype
+    assert h["f2"].tolist() == [-k for k in range(10)] and h["f1"].tolist() == [float(k) for k in range(10)]
+    assert cupy.asnumpy(a).dtype == a.dtype
 
 
 def test_dlpack_arguments(gpu_backend):

@@ -32,8 +32,8 @@ import numpy
 
 from . import _core
 from ._cupy_alloc import Lease, ReleaseQueue, UnifiedUpstream
-from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, out_of_memory_error,
-                           set_capsule_device)
+from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, declare_synchronize,
+                           out_of_memory_error, set_capsule_device)
 from ._placement import Placement
 
 __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
@@ -125,6 +125,7 @@ class CupyHook:
         """Wait for what a reader must not overtake: the device's work (or
         ``stream``'s with ``sync="stream"``); after a device-wide wait,
         release NumPy memory that CuPy views used on that device."""
+        declare_synchronize(self.cupy)
         if stream is not None and self.options.sync == "stream":
             stream.synchronize()
             return
@@ -215,14 +216,18 @@ class CupyHook:
             self.synchronize(stream, g.data.device_id)
             waited = time.perf_counter() - start
         self.placement.on_host_export(kind, base, size, waited)
-        return {
+        iface = {
             "version": 3,
             "shape": g.shape,
             "typestr": g.dtype.str,
-            "descr": g.dtype.descr,
             "data": (ptr, False),
             "strides": g.strides,
         }
+        try:
+            iface["descr"] = g.dtype.descr
+        except ValueError:
+            pass  # fields out of order or overlapping: no descr says it; host_view restores the dtype
+        return iface
 
     def host_view(self, g, sync=True, stream=None):
         """A NumPy array over ``g``'s memory after the wait, or None."""
@@ -231,8 +236,10 @@ class CupyHook:
             return None
         view = numpy.asarray(_Export(iface, g))
         # A typestr names a size, not a C type: 'q' (longlong) comes back
-        # as 'l' (long). Equal dtypes, but printed differently.
-        return view if view.dtype.char == g.dtype.char else view.view(g.dtype)
+        # as 'l' (long), equal dtypes but printed differently; a structured
+        # dtype without its descr comes back as raw bytes ('V12').
+        same = view.dtype.char == g.dtype.char and view.dtype == g.dtype
+        return view if same else view.view(g.dtype)
 
     def get(self, g, stream=None, order="C", out=None, blocking=True):
         """Stands in for ``cupy.ndarray.get``."""
@@ -338,7 +345,16 @@ class CupyHook:
 
         def cuda_array_interface(self):
             hook.synchronize(device=self.data.device_id)
-            return cai.__get__(self)
+            desc = cai.__get__(self)
+            # The device is done with the array, so no stream is named for
+            # the consumer to wait on. A stream named would also become
+            # Numba's stream for the array, on which its copy_to_host() is
+            # asynchronous: into ump's pinned NumPy memory it returns before
+            # the copy has ended (stock NumPy memory is pageable, and the
+            # copy into it returns when done).
+            if "stream" in desc:
+                desc["stream"] = None
+            return desc
 
         def dlpack(self, *, stream=None, max_version=None, dl_device=None, copy=None):
             return hook.dlpack(self, stream=stream, max_version=max_version, dl_device=dl_device,

@@ -101,6 +101,9 @@ class Placement:
         state.exports, state.stay_host, state.moved = 0, False, False
         cuda = self.cupy.cuda
         if self.mode == "migrate" or state.heavy or state.peeked:
+            # A block left on the GPU may have been written by the host since
+            # (or freed and allocated again): its pages may be back there.
+            state.on_gpu = None
             self._to_gpu(state, base, size, cuda.get_current_stream())
         elif state.start is None:
             state.start = cuda.Event()
