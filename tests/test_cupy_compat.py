@@ -77,3 +77,27 @@ def test_patches_restore_what_was_there():
     assert Child().method() == "patched" and Child.own == 2
     patches.restore()
     assert Child().method() == "base" and "method" not in Child.__dict__ and Child.own == 1
+
+
+def test_declare_synchronize_goes_through_cupys_sync_detection():
+    """ump's waits raise where ``cupyx.allow_synchronize(False)`` is in force
+    (a stand-in for cupy._core.syncdetect; the GPU test uses CuPy's own)."""
+    import types
+
+    class Disallowed(RuntimeError):
+        pass
+
+    allowed = {"now": True}
+
+    def declare():
+        if not allowed["now"]:
+            raise Disallowed
+
+    cupy = types.SimpleNamespace(_core=types.SimpleNamespace(
+        syncdetect=types.SimpleNamespace(_declare_synchronize=declare)))
+    _cupy_compat.declare_synchronize(cupy)
+    allowed["now"] = False
+    with pytest.raises(Disallowed):
+        _cupy_compat.declare_synchronize(cupy)
+    # a CuPy without sync detection: nothing to declare to
+    _cupy_compat.declare_synchronize(types.SimpleNamespace(_core=types.SimpleNamespace()))
