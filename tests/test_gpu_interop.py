@@ -277,6 +277,8 @@ def test_numba_both_ways(gpu_backend, record):
 
 @pytest.mark.filterwarnings("ignore:cupyx.allow_synchronize will be removed:UserWarning")
 def test_waits_are_declared_to_cupys_sync_detection(gpu_backend):
+    """On the unified backends get() and asnumpy() are ump's own waits (on
+    ``device`` CuPy's copy declares too); the interface is ump's on all."""
     import cupyx
 
     name, cupy = gpu_backend

@@ -103,7 +103,7 @@ FILL = """
     # GiB, in every configuration alike: what is left under a budget (or
     # the GPU) once the last 1 GiB array failed can be less than the round
     # trip's two 4 MiB arrays, in stock CuPy as under ump.
-    held.pop()
+    del held[-1:]
     b = cupy.asnumpy(cupy.asarray(np.arange(1 << 20, dtype=np.float32)) * 2)
     assert b[3] == 6.0
     print(len(held))

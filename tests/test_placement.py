@@ -115,7 +115,8 @@ def test_a_peeked_block_handed_over_again_goes_to_the_gpu_at_once(moves):
     size = 256 * MiB
     cupy = FakeCupy()
     policy = _policy(cupy)
-    state = policy.blocks[(BASE, size)] = _placement.BlockState(peeked=True, host_seconds=0.013)
+    # peeked in a loop of 20 exports
+    state = policy.blocks[(BASE, size)] = _placement.BlockState(peeked=True, host_seconds=0.013, exports=20)
     policy.on_handoff("managed", BASE, size)
     assert moves == [(size, 0)] and state.moved
     _step(policy, cupy, size, 0.006)  # the move's interval: no verdict
@@ -191,3 +192,39 @@ def test_small_blocks_and_other_kinds_are_left_alone(moves):
     policy.on_handoff("managed", BASE, MiB)  # below prefetch_min
     policy.on_handoff("pinned", BASE + GiB, GiB)
     assert moves == [] and not policy.blocks
+
+
+def test_a_peeked_block_used_in_round_trips_is_measured_as_one_again(moves):
+    """After one round trip (a single export: the host may have read it all),
+    the next hand-off neither migrates it at once nor leaves it on the GPU."""
+    size = 256 * MiB
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    state = policy.blocks[(BASE, size)] = _placement.BlockState(peeked=True, host_seconds=0.013, exports=20)
+    policy.on_handoff("managed", BASE, size)  # still known as peeked: on the GPU at once
+    _step(policy, cupy, size, 0.002)  # one export, then a hand-off: a round trip
+    assert moves == [(size, 0)]
+    policy.on_handoff("managed", BASE, size)
+    assert not state.peeked and moves == [(size, 0)]
+    _step(policy, cupy, size, 0.002)  # brought back at the export: the host reads it whole
+    assert moves == [(size, 0), (size, -1)]
+    policy.on_handoff("managed", BASE, size)
+    assert moves == [(size, 0), (size, -1)]  # host-resident: little GPU work, not heavy
+
+
+def test_only_the_hand_off_measurement_makes_a_block_heavy(moves):
+    """A peek loop whose kernels are bound by compute (the GPU time does not
+    drop on the GPU) goes back to the host, and its long intervals between
+    exports do not make it heavy: round trips stay host-resident."""
+    size = 256 * MiB
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, size)
+    _step(policy, cupy, size, 0.013)
+    _step(policy, cupy, size, 0.040)  # past a migration there and back (33 ms), between exports
+    _step(policy, cupy, size, 0.040)  # the interval that paid for the move
+    _step(policy, cupy, size, 0.040)  # no faster on the GPU: back to the host
+    state = policy.state(BASE, size)
+    assert moves == [(size, 0), (size, -1)] and state.stay_host and not state.heavy
+    policy.on_handoff("managed", BASE, size)
+    assert moves == [(size, 0), (size, -1)]

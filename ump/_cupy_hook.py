@@ -344,14 +344,17 @@ class CupyHook:
             return hook.host_array(self, dtype, copy)
 
         def cuda_array_interface(self):
+            # A wait for the whole device, whatever ump.enable(sync=...)
+            # says: the stream CuPy names is only the current one, and the
+            # array may have been written on any.
             hook.synchronize(device=self.data.device_id)
             desc = cai.__get__(self)
             # The device is done with the array, so no stream is named for
             # the consumer to wait on. A stream named would also become
             # Numba's stream for the array, on which its copy_to_host() is
-            # asynchronous: into ump's pinned NumPy memory it returns before
-            # the copy has ended (stock NumPy memory is pageable, and the
-            # copy into it returns when done).
+            # asynchronous: into ump's NumPy memory (pinned or managed) it
+            # returns before the copy has ended (stock NumPy memory is
+            # pageable, and the copy into it returns when done).
             if "stream" in desc:
                 desc["stream"] = None
             return desc
@@ -401,7 +404,9 @@ class CupyHook:
         cupy = self.cupy
         cupy.cuda.set_allocator(self._saved_allocator)
         self._patches.restore()
-        self.synchronize()
+        # Not self.synchronize(): disable() must not fail half-way under
+        # cupyx.allow_synchronize(False).
+        self.release.wait_for()
         # Blocks CuPy's pool caches go back to the arena; blocks of live
         # arrays stay valid and return when those arrays are freed.
         self.pool.free_all_blocks()

@@ -47,9 +47,11 @@ class Options:
     placement : {"auto", "host", "migrate"}
         Where managed NumPy arrays live when handed to CuPy: ``"host"`` keeps
         them in host memory, mapped by the GPU; ``"migrate"`` prefetches them
-        to the GPU at every hand-off; ``"auto"`` starts like ``"host"`` and
-        migrates a block once the GPU time spent on it over the link exceeded
-        what migrating it would have cost (docs/backends.md).
+        to the GPU at every hand-off; ``"auto"`` starts like ``"host"``,
+        migrates a block at its hand-offs once the GPU time spent on it over
+        the link exceeded what migrating it there and back would have cost,
+        and leaves on the GPU a block that CuPy keeps while the host reads a
+        little of it at each export (docs/backends.md).
     prefetch_min : int
         Blocks smaller than this (bytes, default 2 MiB) are never migrated.
     sync : {"device", "stream"}

@@ -37,9 +37,11 @@ from . import _core
 __all__ = ["Placement", "MIGRATION_SECONDS_PER_BYTE", "ONE_WAY_SECONDS_PER_BYTE"]
 
 #: What migrating managed memory to the GPU and back costs, per byte: 21 ms
-#: and 109 ms per GiB measured on an H200 over PCIe (docs/backends.md).
+#: there and 109 ms back per GiB, measured in the round-trip workflow on an
+#: H200 over PCIe (docs/backends.md).
 MIGRATION_SECONDS_PER_BYTE = 0.130 / 2**30
-#: What migrating it to the GPU costs, per byte (22 ms per GiB, H200).
+#: What migrating it to the GPU costs, per byte: a prefetch alone, 22 ms per
+#: GiB on the same H200 (docs/backends.md, "How fast managed memory moves").
 ONE_WAY_SECONDS_PER_BYTE = 0.022 / 2**30
 
 #: Blocks whose state is kept; past it the table starts over.
@@ -54,7 +56,7 @@ class BlockState:
     start: object = None        # event recorded at the hand-off being measured
     start_device: int = -1      # the device that event belongs to
     exports: int = 0            # host exports since the last hand-off
-    host_seconds: float | None = None  # GPU time between the last two exports, host-resident
+    host_seconds: float | None = None  # GPU time of the last interval spent host-resident
     moved: bool = False         # migrated since the last export: the next interval holds its cost
     stay_host: bool = False     # a trial on the GPU lost: host-resident until the next hand-off
 
@@ -98,6 +100,11 @@ class Placement:
             if len(self.blocks) >= MAX_BLOCKS:
                 self.blocks.clear()
             state = self.blocks[(base, size)] = BlockState()
+        if state.peeked and state.exports < 2:
+            # The loop since the last hand-off was a round trip, not a peek
+            # loop: the host may have read the block whole (faulting it
+            # back, one interval of faults); measure it as a round trip.
+            state.peeked = False
         state.exports, state.stay_host, state.moved = 0, False, False
         cuda = self.cupy.cuda
         if self.mode == "migrate" or state.heavy or state.peeked:
@@ -146,11 +153,12 @@ class Placement:
         end.synchronize()
         return min(cuda.get_elapsed_time(start, end) / 1e3, waited)
 
-    def _learn_host_resident(self, state, base, size, stream, seconds) -> None:
+    def _learn_host_resident(self, state: BlockState, base: int, size: int, stream,
+                             seconds: float | None) -> None:
         if seconds is None or self.mode != "auto":
             return
-        if seconds > size * MIGRATION_SECONDS_PER_BYTE:
-            state.heavy = True
+        if state.exports == 1 and seconds > size * MIGRATION_SECONDS_PER_BYTE:
+            state.heavy = True  # measured from the hand-off: a round trip's work
         state.host_seconds = seconds
         if (state.exports >= 2 and not state.stay_host
                 and seconds > size * ONE_WAY_SECONDS_PER_BYTE):
@@ -159,10 +167,13 @@ class Placement:
             # touches; the rest stays for the next kernels.
             self._to_gpu(state, base, size, stream)
 
-    def _learn_gpu_resident(self, state, base, size, stream, seconds, wait) -> None:
-        if seconds is None or state.moved:
-            state.moved = False  # that interval paid for the move
+    def _learn_gpu_resident(self, state: BlockState, base: int, size: int, stream,
+                            seconds: float | None, wait: bool) -> None:
+        if state.moved:
+            state.moved = False  # that interval paid for the move: no verdict
             return
+        if seconds is None:
+            return  # nothing measured (a non-blocking get)
         if state.host_seconds is not None and 2 * seconds >= state.host_seconds:
             # The host read enough of the block that the kernels fault it
             # back: host-resident costs less in this loop.
