@@ -79,7 +79,7 @@ def test_patches_restore_what_was_there():
     assert Child().method() == "base" and "method" not in Child.__dict__ and Child.own == 1
 
 
-def test_declare_synchronize_goes_through_cupys_sync_detection():
+def test_sync_declarer_goes_through_cupys_sync_detection():
     """ump's waits raise where ``cupyx.allow_synchronize(False)`` is in force
     (a stand-in for cupy._core.syncdetect; the GPU test uses CuPy's own)."""
     import types
@@ -95,9 +95,10 @@ def test_declare_synchronize_goes_through_cupys_sync_detection():
 
     cupy = types.SimpleNamespace(_core=types.SimpleNamespace(
         syncdetect=types.SimpleNamespace(_declare_synchronize=declare)))
-    _cupy_compat.declare_synchronize(cupy)
+    declare = _cupy_compat.sync_declarer(cupy)
+    declare()
     allowed["now"] = False
     with pytest.raises(Disallowed):
-        _cupy_compat.declare_synchronize(cupy)
+        declare()
     # a CuPy without sync detection: nothing to declare to
-    _cupy_compat.declare_synchronize(types.SimpleNamespace(_core=types.SimpleNamespace()))
+    _cupy_compat.sync_declarer(types.SimpleNamespace(_core=types.SimpleNamespace()))()

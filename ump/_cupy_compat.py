@@ -18,7 +18,7 @@ import sys
 from ._errors import OutOfMemoryError, UmpError
 
 __all__ = ["import_cupy", "check_cupy", "Patches", "out_of_memory_error", "set_capsule_device",
-           "declare_synchronize", "KDL_CPU", "KDL_CUDA", "KDL_CUDA_MANAGED"]
+           "sync_declarer", "KDL_CPU", "KDL_CUDA", "KDL_CUDA_MANAGED"]
 
 #: CuPy releases whose internals ump was checked against (major versions).
 SUPPORTED_MAJORS = (13, 14)
@@ -198,14 +198,17 @@ class Patches:
 _ABSENT = object()
 
 
-def declare_synchronize(cupy) -> None:
-    """Tell CuPy's synchronisation detection (``cupyx.allow_synchronize``)
-    that the host is about to wait for the device: raises
-    ``cupyx.DeviceSynchronized`` where the caller disallowed that, as CuPy's
-    own waits do."""
+def _nothing_to_declare() -> None:
+    pass
+
+
+def sync_declarer(cupy):
+    """The call that tells CuPy's synchronisation detection
+    (``cupyx.allow_synchronize``) the host is about to wait for the device:
+    it raises ``cupyx.DeviceSynchronized`` where the caller disallowed that,
+    as CuPy's own waits do. A no-op for a CuPy without that detection."""
     syncdetect = getattr(getattr(cupy, "_core", None), "syncdetect", None)
-    if syncdetect is not None:
-        syncdetect._declare_synchronize()
+    return _nothing_to_declare if syncdetect is None else syncdetect._declare_synchronize
 
 
 _oom_classes: dict = {}

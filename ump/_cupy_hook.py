@@ -32,8 +32,8 @@ import numpy
 
 from . import _core
 from ._cupy_alloc import Lease, ReleaseQueue, UnifiedUpstream
-from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, declare_synchronize,
-                           out_of_memory_error, set_capsule_device)
+from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, out_of_memory_error,
+                           set_capsule_device, sync_declarer)
 from ._placement import Placement
 
 __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
@@ -108,6 +108,7 @@ class CupyHook:
         self.release = ReleaseQueue.shared(cupy)
         self.placement = Placement(cupy, options, headroom)
         self.out_of_memory = out_of_memory_error(cupy)
+        self._declare_synchronize = sync_declarer(cupy)  # read once: every export calls it
         # backend "device": a VMM pool, and NumPy <-> CuPy are copies
         self.copies = pool is not None
         if pool is None:
@@ -125,7 +126,7 @@ class CupyHook:
         """Wait for what a reader must not overtake: the device's work (or
         ``stream``'s with ``sync="stream"``); after a device-wide wait,
         release NumPy memory that CuPy views used on that device."""
-        declare_synchronize(self.cupy)
+        self._declare_synchronize()
         if stream is not None and self.options.sync == "stream":
             stream.synchronize()
             return

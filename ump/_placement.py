@@ -79,11 +79,15 @@ class Placement:
         return size + self.headroom <= free
 
     def _to_gpu(self, state: BlockState, base: int, size: int, stream) -> None:
+        """Prefetch the block to the current device; one that would not fit
+        stays where it is, counted as host-resident."""
+        if not self._fits(size):
+            state.on_gpu = None
+            return
         device = self.cupy.cuda.runtime.getDevice()
-        if state.on_gpu != device and self._fits(size):
-            _core.prefetch(base, size, device, stream.ptr)
-            state.on_gpu = device
-            state.moved = True
+        _core.prefetch(base, size, device, stream.ptr)
+        state.on_gpu = device
+        state.moved = True
 
     def _to_host(self, state: BlockState, base: int, size: int, stream, wait: bool) -> None:
         _core.prefetch(base, size, -1, stream.ptr)
@@ -108,9 +112,9 @@ class Placement:
         state.exports, state.stay_host, state.moved = 0, False, False
         cuda = self.cupy.cuda
         if self.mode == "migrate" or state.heavy or state.peeked:
-            # A block left on the GPU may have been written by the host since
-            # (or freed and allocated again): its pages may be back there.
-            state.on_gpu = None
+            # Prefetched even if ump left it on the GPU: the host may have
+            # written it since (or freed and allocated it again), which
+            # brings pages back.
             self._to_gpu(state, base, size, cuda.get_current_stream())
         elif state.start is None:
             state.start = cuda.Event()
