@@ -30,8 +30,9 @@ def _fake_cupy(current):
     memory = types.SimpleNamespace(UnownedMemory=Unowned, MemoryPointer=lambda mem, offset: mem,
                                    OutOfMemoryError=CupyOutOfMemory)
     runtime = types.SimpleNamespace(getDevice=lambda: current[0], deviceSynchronize=lambda: None,
-                                    getDeviceCount=lambda: 2)
-    return types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory, runtime=runtime))
+                                    getDeviceCount=lambda: 2, streamIsCapturing=lambda ptr: False)
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(
+        memory=memory, runtime=runtime, get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
 
 
 class _Pool:

@@ -290,6 +290,37 @@ def test_waits_are_declared_to_cupys_sync_detection(gpu_backend):
     assert g.get()[3] == 3.0
 
 
+def test_a_graph_capture_survives_host_reads_refused_and_takes_zero_copy_arrays(gpu_backend):
+    """CuPy refuses a host transfer while the current stream captures a
+    graph, before any CUDA call; a device-wide wait then would invalidate the
+    capture (CuPy's test_graph.py, test_stream_capture_failure3 and 5)."""
+    name, cupy = gpu_backend
+    a = cupy.arange(1 << 20, dtype=cupy.float32)
+    x = np.ones(4 << 20, np.float32)  # 16 MiB: a block the placement policy times and moves
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        for read in (lambda: bool(a.sum() > 0), lambda: cupy.asnumpy(a), lambda: np.asarray(a)):
+            with pytest.raises(RuntimeError, match="is capturing"):
+                read()
+        if name == "device":  # NumPy memory is host memory: a copy, which CuPy refuses now
+            with pytest.raises(RuntimeError, match="is capturing"):
+                cupy.asarray(x)
+        else:
+            gx = cupy.asarray(x)
+            assert gx.data.ptr == x.ctypes.data
+            gx *= 2
+            # a GPU consumer waits for nothing: its work is captured on CuPy's stream
+            assert gx.__cuda_array_interface__["stream"] == s.ptr
+        graph = s.end_capture()  # raises if the capture was invalidated
+    assert not s.is_capturing()
+    assert x[0] == 1.0  # captured, not run
+    graph.launch(s)
+    s.synchronize()
+    assert (x == (1.0 if name == "device" else 2.0)).all()
+    assert cupy.asnumpy(a)[-1] == (1 << 20) - 1
+
+
 def test_structured_arrays_reach_the_host_with_their_dtype(gpu_backend):
     """Fields out of order (a field selection) have no array-interface descr."""
     name, cupy = gpu_backend

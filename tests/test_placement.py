@@ -23,6 +23,7 @@ class FakeCupy:
     def __init__(self, free=64 * GiB):
         self.clock = 0.0  # seconds of GPU work queued so far
         self.free = free
+        self.capturing = False  # the current stream captures a CUDA graph
         self.stream_waits = 0
         fake = self
 
@@ -39,7 +40,8 @@ class FakeCupy:
             def synchronize(self):
                 fake.stream_waits += 1
 
-        runtime = types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (fake.free, 80 * GiB))
+        runtime = types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (fake.free, 80 * GiB),
+                                        streamIsCapturing=lambda ptr: fake.capturing)
         self.cuda = types.SimpleNamespace(
             Event=Event, runtime=runtime, get_current_stream=lambda: Stream(),
             get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3)
@@ -228,3 +230,16 @@ def test_only_the_hand_off_measurement_makes_a_block_heavy(moves):
     assert moves == [(size, 0), (size, -1)] and state.stay_host and not state.heavy
     policy.on_handoff("managed", BASE, size)
     assert moves == [(size, 0), (size, -1)]
+
+
+def test_a_hand_off_while_a_graph_is_captured_records_nothing_and_moves_nothing(moves):
+    # An event recorded then would be captured into the graph (nothing to
+    # time), and a prefetch would invalidate the capture.
+    cupy = FakeCupy()
+    policy = _policy(cupy, "migrate")
+    cupy.capturing = True
+    policy.on_handoff("managed", BASE, GiB)
+    assert moves == [] and policy.state(BASE, GiB) is None
+    cupy.capturing = False
+    policy.on_handoff("managed", BASE, GiB)
+    assert moves == [(GiB, 0)]

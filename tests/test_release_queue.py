@@ -13,7 +13,8 @@ import pytest
 from ump._cupy_alloc import ReleaseQueue
 
 
-def _fake_cupy(log):
+def _fake_cupy(log, capturing=()):
+    """``capturing``: put True in it while the current stream captures a graph."""
     @contextlib.contextmanager
     def device(d):
         log.append(("enter", d))
@@ -21,8 +22,9 @@ def _fake_cupy(log):
 
     # no device is current, so every wait enters the device it waits for
     runtime = types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)), getDevice=lambda: -1,
-                                    getDeviceCount=lambda: 1)
-    return types.SimpleNamespace(cuda=types.SimpleNamespace(Device=device, runtime=runtime))
+                                    getDeviceCount=lambda: 1, streamIsCapturing=lambda ptr: any(capturing))
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=device, runtime=runtime, get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
 
 
 def test_an_array_is_released_only_by_a_wait_begun_after_it_was_deferred():
@@ -113,3 +115,16 @@ def test_views_count_as_the_array_that_owns_their_memory():
     assert log == []  # counting walks every array: not at each view
     queue.defer(y, 0)
     assert log == [("enter", 0), ("sync",)] and not queue._held
+
+
+def test_a_drain_while_a_graph_is_captured_waits_for_nothing_and_keeps_the_arrays():
+    # A device-wide wait then would invalidate the capture (CuPy's
+    # test_graph.py: test_stream_capture_failure3 and 5).
+    log, capturing = [], [True]
+    queue = ReleaseQueue(_fake_cupy(log, capturing))
+    queue.defer(np.ones(4), 0)
+    queue.drain()
+    assert log == [] and len(queue) == 1
+    capturing[0] = False
+    queue.drain()
+    assert ("sync",) in log and len(queue) == 0

@@ -16,6 +16,7 @@ import threading
 import numpy
 
 from . import _core
+from ._cupy_compat import capturing
 
 __all__ = ["ReleaseQueue", "UnifiedUpstream", "Lease"]
 
@@ -152,7 +153,11 @@ class ReleaseQueue:
         self._wait([current if device is None else device], current)
 
     def drain(self) -> None:
-        """Wait for every device with pending arrays and release them all."""
+        """Wait for every device with pending arrays and release them all;
+        while the current stream captures a CUDA graph (a wait would
+        invalidate the capture), keep them for a later wait."""
+        if capturing(self.cupy):
+            return
         with self._lock:
             pending = [d for d, q in self._pending.items() if q]
         if pending:

@@ -18,7 +18,7 @@ import sys
 from ._errors import OutOfMemoryError, UmpError
 
 __all__ = ["import_cupy", "check_cupy", "Patches", "out_of_memory_error", "set_capsule_device",
-           "sync_declarer", "KDL_CPU", "KDL_CUDA", "KDL_CUDA_MANAGED"]
+           "sync_declarer", "capturing", "KDL_CPU", "KDL_CUDA", "KDL_CUDA_MANAGED"]
 
 #: CuPy releases whose internals ump was checked against (major versions).
 SUPPORTED_MAJORS = (13, 14)
@@ -209,6 +209,16 @@ def sync_declarer(cupy):
     as CuPy's own waits do. A no-op for a CuPy without that detection."""
     syncdetect = getattr(getattr(cupy, "_core", None), "syncdetect", None)
     return _nothing_to_declare if syncdetect is None else syncdetect._declare_synchronize
+
+
+def capturing(cupy, stream=None) -> bool:
+    """Whether ``stream`` (the current stream if None) is capturing a CUDA
+    graph. Nothing runs while it captures, and a wait for the device, a
+    stream query or a prefetch would invalidate the capture: CuPy asks this
+    before each host transfer and refuses it; ump asks before its waits and
+    placement moves."""
+    cuda = cupy.cuda
+    return cuda.runtime.streamIsCapturing((stream or cuda.get_current_stream()).ptr)
 
 
 _oom_classes: dict = {}

@@ -32,8 +32,8 @@ import numpy
 
 from . import _core
 from ._cupy_alloc import Lease, ReleaseQueue, UnifiedUpstream
-from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, out_of_memory_error,
-                           set_capsule_device, sync_declarer)
+from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, capturing,
+                           out_of_memory_error, set_capsule_device, sync_declarer)
 from ._placement import Placement
 
 __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
@@ -125,12 +125,40 @@ class CupyHook:
     def synchronize(self, stream=None, device=None):
         """Wait for what a reader must not overtake: the device's work (or
         ``stream``'s with ``sync="stream"``); after a device-wide wait,
-        release NumPy memory that CuPy views used on that device."""
+        release NumPy memory that CuPy views used on that device.
+
+        Raises
+        ------
+        RuntimeError
+            ``stream`` (the current stream if None) is capturing a CUDA
+            graph, as CuPy raises for a host transfer then: the wait would
+            invalidate the capture.
+        """
+        self._refuse_while_capturing(stream)
+        self._wait(stream, device)
+
+    def _wait(self, stream, device):
         self._declare_synchronize()
         if stream is not None and self.options.sync == "stream":
             stream.synchronize()
             return
         self.release.wait_for(device)
+
+    def _refuse_while_capturing(self, stream=None):
+        if capturing(self.cupy, stream):
+            raise RuntimeError("the stream is capturing a CUDA graph: nothing captured has run, so "
+                               "the host cannot read CuPy's results and ump cannot wait for the GPU "
+                               "(end the capture and launch the graph first)")
+
+    def wait_for_gpu_consumer(self, device) -> bool:
+        """Before another GPU library takes the array: wait for the device
+        (True), unless the current stream captures a graph (False). Then
+        nothing has run, and the consumer's work on that stream is captured
+        after CuPy's."""
+        if capturing(self.cupy):
+            return False
+        self._wait(None, device)
+        return True
 
     # --- NumPy -> CuPy ------------------------------------------------------
     def wrap_host(self, a):
@@ -216,6 +244,8 @@ class CupyHook:
             start = time.perf_counter()
             self.synchronize(stream, g.data.device_id)
             waited = time.perf_counter() - start
+        else:
+            self._refuse_while_capturing(stream)  # the kernels have not even run
         self.placement.on_host_export(kind, base, size, waited)
         iface = {
             "version": 3,
@@ -296,7 +326,7 @@ class CupyHook:
         managed_asked = dl_device is not None and dl_device[0] == KDL_CUDA_MANAGED
         if managed_asked:
             dl_device = None
-        self.synchronize(device=g.data.device_id)
+        self.wait_for_gpu_consumer(g.data.device_id)
         capsule = original(g, stream=stream, dl_device=dl_device, copy=copy, **kwargs)
         return capsule if managed_asked else self.cuda_capsule(g, capsule)
 
@@ -348,15 +378,17 @@ class CupyHook:
             # A wait for the whole device, whatever ump.enable(sync=...)
             # says: the stream CuPy names is only the current one, and the
             # array may have been written on any.
-            hook.synchronize(device=self.data.device_id)
+            waited = hook.wait_for_gpu_consumer(self.data.device_id)
             desc = cai.__get__(self)
             # The device is done with the array, so no stream is named for
             # the consumer to wait on. A stream named would also become
             # Numba's stream for the array, on which its copy_to_host() is
             # asynchronous: into ump's NumPy memory (pinned or managed) it
             # returns before the copy has ended (stock NumPy memory is
-            # pageable, and the copy into it returns when done).
-            if "stream" in desc:
+            # pageable, and the copy into it returns when done). While a
+            # graph is captured CuPy's stream stays: the consumer's work is
+            # captured on it.
+            if waited and "stream" in desc:
                 desc["stream"] = None
             return desc
 
@@ -368,7 +400,7 @@ class CupyHook:
             return hook.dlpack_device(self)
 
         def to_dlpack(self):
-            hook.synchronize(device=self.data.device_id)
+            hook.wait_for_gpu_consumer(self.data.device_id)
             return hook.cuda_capsule(self, original["toDlpack"](self))
 
         for fn, like in ((get, original["get"]), (dlpack, original["__dlpack__"]),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import _core
+from ._cupy_compat import capturing
 
 __all__ = ["Placement", "MIGRATION_SECONDS_PER_BYTE", "ONE_WAY_SECONDS_PER_BYTE"]
 
@@ -99,6 +100,8 @@ class Placement:
         """A NumPy array's block is handed to CuPy."""
         if kind != "managed" or size < self.min_bytes or self.mode == "host":
             return
+        if capturing(self.cupy):
+            return  # nothing runs until the graph is launched: no event to time, no move
         state = self.blocks.get((base, size))
         if state is None:
             if len(self.blocks) >= MAX_BLOCKS:
