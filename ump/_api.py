@@ -193,7 +193,14 @@ def advise(array, advice: str, device: int | str | None = None) -> None:
 
 def synchronize() -> None:
     """Wait for the device's GPU work and release NumPy memory that CuPy
-    views no longer use."""
+    views no longer use.
+
+    Raises
+    ------
+    RuntimeError
+        The current stream is capturing a CUDA graph: a wait then would
+        invalidate the capture (CuPy refuses its host transfers likewise).
+    """
     state = _require()
     if state.cupy is not None:
         state.cupy.synchronize()

@@ -213,12 +213,14 @@ def sync_declarer(cupy):
 
 def capturing(cupy, stream=None) -> bool:
     """Whether ``stream`` (the current stream if None) is capturing a CUDA
-    graph. Nothing runs while it captures, and a wait for the device, a
-    stream query or a prefetch would invalidate the capture: CuPy asks this
+    graph. Nothing captured runs before the graph is launched, and a wait
+    for the device or the stream invalidates the capture: CuPy asks this
     before each host transfer and refuses it; ump asks before its waits and
     placement moves."""
     cuda = cupy.cuda
-    return cuda.runtime.streamIsCapturing((stream or cuda.get_current_stream()).ptr)
+    if stream is None:
+        stream = cuda.get_current_stream()
+    return cuda.runtime.streamIsCapturing(stream.ptr)
 
 
 _oom_classes: dict = {}
