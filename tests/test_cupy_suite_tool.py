@@ -82,3 +82,21 @@ def test_compare_reads_stored_results(suite):
     result = subprocess.run([sys.executable, str(TOOL), "--compare", str(out / "cupy-suite-stock.xml"),
                              str(out / "cupy-suite-ump.xml")], capture_output=True, text=True, timeout=60)
     assert "1 tests differ" in result.stdout and "test_only_stock" in result.stdout
+
+
+def test_unreached_lists_the_modules_a_side_has_no_results_for(suite):
+    assert _run(suite, UMP_SUITE_RUNS="stock").returncode == 0
+    tests, out = suite
+    stored = out / "stored"
+    stored.mkdir()
+    (out / "cupy-suite-stock.xml").rename(stored / "stock-core.xml")
+    (tests / "cupy_tests" / "core_tests" / "test_later.py").write_text("def test_a():\n    pass\n\n\n"
+                                                                       "def test_b():\n    pass\n")
+    result = subprocess.run([sys.executable, str(TOOL), "--unreached", str(tests), str(stored)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "stock: cupy_tests/core_tests/test_later.py 0 of 2" in lines
+    assert "ump: cupy_tests/core_tests/test_sample.py 0 of 4" in lines  # no ump results stored
+    assert not any(line.startswith("stock: cupy_tests/core_tests/test_sample.py") for line in lines)
+    assert lines[-1] == "cupy_tests/core_tests/test_later.py cupy_tests/core_tests/test_sample.py"

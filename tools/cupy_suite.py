@@ -9,6 +9,7 @@ beside it (its pytest settings: strict markers, warning filters).
     UMP_SUITE_TIMEOUT=240 python tools/cupy_suite.py ...  # interrupt each side after 240 s
     UMP_SUITE_GPUS=0,1 python tools/cupy_suite.py ...     # both sides at once, one GPU each
     python tools/cupy_suite.py --compare STOCK.xml UMP.xml
+    python tools/cupy_suite.py --unreached TESTS_DIR STORED_DIR [pytest args...]
 
 The "stock" run is CuPy as shipped (CUPY_ENABLE_UMP unset: its own UMP path
 fails on GPUs without HMM/ATS). The "ump" run sets CUPY_ENABLE_UMP=1 and adds
@@ -17,13 +18,19 @@ CuPy's unchanged test suite; UMP_CUPY_SUITE_CAP (default 4G) is each test
 process's budget, so that -n workers together stay within the GPU.
 Each run writes JUnit XML; the script prints both counts and every test whose
 outcome differs. XML files may be gzipped (the stored baselines are).
+``--unreached`` collects the suite (on a GPU: some modules collect only
+there) and, against every stock-*.xml[.gz] and ump-*.xml[.gz] in STORED_DIR,
+prints each module with fewer results on a side than tests collected, then
+those modules on one line, to run next.
 """
 
 from __future__ import annotations
 
 import gzip
+import collections
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -68,9 +75,54 @@ def report(stock: dict, ump: dict) -> None:
         print(f"  {stock.get(name, 'absent')} -> {ump.get(name, 'absent')}: {name}")
 
 
+def _module_of(name: str, modules) -> str | None:
+    """The collected module (cupy_tests/.../test_x.py) a JUnit name belongs to."""
+    parts = name.split("::")[0].split(".")
+    parts = parts[parts.index("cupy_tests"):] if "cupy_tests" in parts else parts
+    for k in range(len(parts), 0, -1):
+        module = "/".join(parts[:k]) + ".py"
+        if module in modules:
+            return module
+    return None
+
+
+def unreached(collected: collections.Counter, stored: dict) -> list[str]:
+    """Modules with fewer results than ``collected`` tests on a side
+    (``stored``: side -> outcomes), printed with their counts."""
+    short = set()
+    for side, ran in stored.items():
+        counts = collections.Counter(_module_of(name, collected) for name in ran)
+        for module, total in sorted(collected.items()):
+            if counts[module] < total:
+                print(f"{side}: {module} {counts[module]} of {total}")
+                short.add(module)
+    return sorted(short)
+
+
+def _collect(tests: pathlib.Path, args) -> collections.Counter:
+    env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *(args or ["cupy_tests"])], cwd=tests, env=env, capture_output=True, text=True)
+    # One line per test, beginning with its module; a parameter's repr may
+    # continue on further lines, which begin otherwise.
+    found = re.findall(r"^(?:tests/)?(cupy_tests/\S+?\.py)::", proc.stdout, re.M)
+    if not found:
+        raise SystemExit(f"collecting {tests} found no tests:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return collections.Counter(found)
+
+
 def main(argv):
     if argv[0] == "--compare":
         report(outcomes(pathlib.Path(argv[1])), outcomes(pathlib.Path(argv[2])))
+        return
+    if argv[0] == "--unreached":
+        tests, stored_dir = pathlib.Path(argv[1]), pathlib.Path(argv[2])
+        stored = {}
+        for side in ("stock", "ump"):
+            stored[side] = {}
+            for xml in sorted(stored_dir.glob(f"{side}-*.xml*")):
+                stored[side].update(outcomes(xml))
+        print(" ".join(unreached(_collect(tests, argv[3:]), stored)))
         return
     tests, out, args = pathlib.Path(argv[0]), pathlib.Path(argv[1]), argv[2:]
     if not (tests.parent / "pyproject.toml").exists():
