@@ -92,6 +92,7 @@ def test_unreached_lists_the_modules_a_side_has_no_results_for(suite):
     (out / "cupy-suite-stock.xml").rename(stored / "stock-core.xml")
     (tests / "cupy_tests" / "core_tests" / "test_later.py").write_text("def test_a():\n    pass\n\n\n"
                                                                        "def test_b():\n    pass\n")
+    (tests / "cupy_tests" / "core_tests" / "test_broken.py").write_text("import not_a_module\n")
     result = subprocess.run([sys.executable, str(TOOL), "--unreached", str(tests), str(stored)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -99,4 +100,6 @@ def test_unreached_lists_the_modules_a_side_has_no_results_for(suite):
     assert "stock: cupy_tests/core_tests/test_later.py 0 of 2" in lines
     assert "ump: cupy_tests/core_tests/test_sample.py 0 of 4" in lines  # no ump results stored
     assert not any(line.startswith("stock: cupy_tests/core_tests/test_sample.py") for line in lines)
-    assert lines[-1] == "cupy_tests/core_tests/test_later.py cupy_tests/core_tests/test_sample.py"
+    assert "failed to collect (some modules collect only on a GPU): cupy_tests/core_tests/test_broken.py" in lines
+    assert lines[-1] == ("cupy_tests/core_tests/test_broken.py cupy_tests/core_tests/test_later.py "
+                         "cupy_tests/core_tests/test_sample.py")

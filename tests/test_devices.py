@@ -26,22 +26,26 @@ class CupyOutOfMemory(MemoryError):
     pass
 
 
-def _fake_cupy(current):
+def _fake_cupy(current, graph=None):
+    """``graph.capturing``: whether the current stream captures a graph (never if None)."""
     memory = types.SimpleNamespace(UnownedMemory=Unowned, MemoryPointer=lambda mem, offset: mem,
                                    OutOfMemoryError=CupyOutOfMemory)
     runtime = types.SimpleNamespace(getDevice=lambda: current[0], deviceSynchronize=lambda: None,
-                                    getDeviceCount=lambda: 2, streamIsCapturing=lambda ptr: False)
+                                    getDeviceCount=lambda: 2,
+                                    streamIsCapturing=lambda ptr: bool(graph and graph.capturing))
     return types.SimpleNamespace(cuda=types.SimpleNamespace(
         memory=memory, runtime=runtime, get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
 
 
 class _Pool:
+    freed = 0
+
     def free_all_blocks(self):
-        pass
+        self.freed += 1
 
 
-def _upstream(current, main, arena_for):
-    cupy = _fake_cupy(current)
+def _upstream(current, main, arena_for, graph=None):
+    cupy = _fake_cupy(current, graph)
     up = UnifiedUpstream(cupy, main, "host", ReleaseQueue(cupy, active_devices=lambda: [0, 1]),
                          out_of_memory_error(cupy), spill=False, device=0, arena_for=arena_for)
     up.pool = _Pool()
@@ -73,6 +77,24 @@ def test_one_gpu_never_asks_for_another_arena():
     mem = up(6 * MiB)
     assert mem.device_id == 0
     _core._arena_free(mem.ptr)
+
+
+def test_out_of_memory_while_a_graph_is_captured_keeps_the_cached_blocks():
+    # Freeing a cached chunk waits for the device, which would invalidate
+    # the capture: the allocation fails without it.
+    main = _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, cupy_side=True, device=10)
+    graph = types.SimpleNamespace(capturing=True)
+    up = _upstream([0], main, None, graph)
+    held = up(6 * MiB)
+    with pytest.raises(CupyOutOfMemory, match="budget of 8388608 bytes"):
+        up(6 * MiB)
+    assert up.pool.freed == 0
+    graph.capturing = False
+    with pytest.raises(CupyOutOfMemory):
+        up(6 * MiB)
+    assert up.pool.freed == 2  # outside a capture: before each retry, as CuPy's pool does
+    _core._arena_free(held.ptr)
+    main.trim()
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import pytest
 from ump._cupy_alloc import ReleaseQueue
 
 
-def _fake_cupy(log, capturing=()):
-    """``capturing``: put True in it while the current stream captures a graph."""
+def _fake_cupy(log, graph=None):
+    """``graph.capturing``: whether the current stream captures a graph (never if None)."""
     @contextlib.contextmanager
     def device(d):
         log.append(("enter", d))
@@ -22,7 +22,8 @@ def _fake_cupy(log, capturing=()):
 
     # no device is current, so every wait enters the device it waits for
     runtime = types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)), getDevice=lambda: -1,
-                                    getDeviceCount=lambda: 1, streamIsCapturing=lambda ptr: any(capturing))
+                                    getDeviceCount=lambda: 1,
+                                    streamIsCapturing=lambda ptr: bool(graph and graph.capturing))
     return types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=device, runtime=runtime, get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
 
@@ -120,11 +121,11 @@ def test_views_count_as_the_array_that_owns_their_memory():
 def test_a_drain_while_a_graph_is_captured_waits_for_nothing_and_keeps_the_arrays():
     # A device-wide wait then would invalidate the capture (CuPy's
     # test_graph.py: test_stream_capture_failure3 and 5).
-    log, capturing = [], [True]
-    queue = ReleaseQueue(_fake_cupy(log, capturing))
+    log, graph = [], types.SimpleNamespace(capturing=True)
+    queue = ReleaseQueue(_fake_cupy(log, graph))
     queue.defer(np.ones(4), 0)
     queue.drain()
     assert log == [] and len(queue) == 1
-    capturing[0] = False
+    graph.capturing = False
     queue.drain()
     assert ("sync",) in log and len(queue) == 0

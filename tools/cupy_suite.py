@@ -26,8 +26,8 @@ those modules on one line, to run next.
 
 from __future__ import annotations
 
-import gzip
 import collections
+import gzip
 import os
 import pathlib
 import re
@@ -86,29 +86,38 @@ def _module_of(name: str, modules) -> str | None:
     return None
 
 
-def unreached(collected: collections.Counter, stored: dict) -> list[str]:
-    """Modules with fewer results than ``collected`` tests on a side
-    (``stored``: side -> outcomes), printed with their counts."""
-    short = set()
+def unreached(collected: collections.Counter, stored: dict) -> list[tuple[str, str, int, int]]:
+    """(side, module, results, tests) for each module with fewer results
+    than ``collected`` tests on a side (``stored``: side -> outcomes)."""
+    rows = []
     for side, ran in stored.items():
         counts = collections.Counter(_module_of(name, collected) for name in ran)
-        for module, total in sorted(collected.items()):
-            if counts[module] < total:
-                print(f"{side}: {module} {counts[module]} of {total}")
-                short.add(module)
-    return sorted(short)
+        rows += [(side, module, counts[module], total) for module, total in sorted(collected.items())
+                 if counts[module] < total]
+    return rows
 
 
-def _collect(tests: pathlib.Path, args) -> collections.Counter:
+def _collect(tests: pathlib.Path, args) -> tuple[collections.Counter, list[str]]:
+    """Tests per module, and the modules that failed to collect."""
     env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *(args or ["cupy_tests"])], cwd=tests, env=env, capture_output=True, text=True)
-    # One line per test, beginning with its module; a parameter's repr may
+                           *(args or ["cupy_tests"])], cwd=tests, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    # One line per test, beginning with its path; a parameter's repr may
     # continue on further lines, which begin otherwise.
-    found = re.findall(r"^(?:tests/)?(cupy_tests/\S+?\.py)::", proc.stdout, re.M)
+    found = re.findall(r"^(?:\S*/)?(cupy_tests/\S+?\.py)::", proc.stdout, re.M)
+    errors = sorted(set(re.findall(r"^ERROR (?:\S*/)?(cupy_tests/\S+?\.py)", proc.stdout, re.M)))
     if not found:
         raise SystemExit(f"collecting {tests} found no tests:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    return collections.Counter(found)
+    return collections.Counter(found), errors
+
+
+def _check_tests_dir(tests: pathlib.Path) -> None:
+    parent = tests.resolve().parent
+    if not (parent / "pyproject.toml").exists():
+        # Without it pytest would take the settings of some enclosing project.
+        raise SystemExit(f"{parent}/pyproject.toml is missing: put CuPy's (v14.2.0) there, "
+                         "its [tool.pytest.ini_options] are how CuPy runs its tests")
 
 
 def main(argv):
@@ -117,18 +126,22 @@ def main(argv):
         return
     if argv[0] == "--unreached":
         tests, stored_dir = pathlib.Path(argv[1]), pathlib.Path(argv[2])
+        _check_tests_dir(tests)
         stored = {}
         for side in ("stock", "ump"):
             stored[side] = {}
             for xml in sorted(stored_dir.glob(f"{side}-*.xml*")):
                 stored[side].update(outcomes(xml))
-        print(" ".join(unreached(_collect(tests, argv[3:]), stored)))
+        collected, errors = _collect(tests, argv[3:])
+        rows = unreached(collected, stored)
+        for side, module, results, total in rows:
+            print(f"{side}: {module} {results} of {total}")
+        for module in errors:
+            print(f"failed to collect (some modules collect only on a GPU): {module}")
+        print(" ".join(sorted({module for _, module, _, _ in rows} | set(errors))))
         return
     tests, out, args = pathlib.Path(argv[0]), pathlib.Path(argv[1]), argv[2:]
-    if not (tests.parent / "pyproject.toml").exists():
-        # Without it pytest would take the settings of some enclosing project.
-        raise SystemExit(f"{tests.parent}/pyproject.toml is missing: put CuPy's (v14.2.0) there, "
-                         "its [tool.pytest.ini_options] are how CuPy runs its tests")
+    _check_tests_dir(tests)
     wanted = os.environ.get("UMP_SUITE_RUNS", "stock,ump").split(",")
     backend = os.environ.get("UMP_SUITE_BACKEND", "auto")
     cap = os.environ.get("UMP_CUPY_SUITE_CAP", "4G")

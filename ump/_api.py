@@ -197,9 +197,10 @@ def synchronize() -> None:
 
     Raises
     ------
-    RuntimeError
-        The current stream is capturing a CUDA graph: a wait then would
-        invalidate the capture (CuPy refuses its host transfers likewise).
+    UmpError
+        (a ``RuntimeError``, as CuPy's refusal of a host transfer then) The
+        current stream is capturing a CUDA graph: a wait would invalidate
+        the capture.
     """
     state = _require()
     if state.cupy is not None:

@@ -297,11 +297,15 @@ class UnifiedUpstream:
         # and the blocks the pool caches, then collect arrays only reference
         # cycles keep (a traceback, say), retrying after each step. This runs
         # outside the pool's lock, as CuPy's own retry does.
+        # While a graph is captured the cached blocks stay: freeing a chunk
+        # waits for the device, which would invalidate the capture.
+        free_cached = not capturing(self.cupy)
         for collect in (False, True):
             if collect:
                 gc.collect()
             self.release.drain()
-            self.pool.free_all_blocks()
+            if free_cached:
+                self.pool.free_all_blocks()
             got = self._try(arena, device, size)
             if got is not None:
                 return got

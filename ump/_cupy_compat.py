@@ -212,15 +212,15 @@ def sync_declarer(cupy):
 
 
 def capturing(cupy, stream=None) -> bool:
-    """Whether ``stream`` (the current stream if None) is capturing a CUDA
-    graph. Nothing captured runs before the graph is launched, and a wait
-    for the device or the stream invalidates the capture: CuPy asks this
-    before each host transfer and refuses it; ump asks before its waits and
-    placement moves."""
+    """Whether ``stream`` (a CuPy stream or a stream's handle; the current
+    stream if None) is capturing a CUDA graph. Nothing captured runs before
+    the graph is launched, and a wait for the device or the stream
+    invalidates the capture: CuPy asks this before each host transfer and
+    refuses it; ump asks before its waits and placement moves."""
     cuda = cupy.cuda
     if stream is None:
         stream = cuda.get_current_stream()
-    return cuda.runtime.streamIsCapturing(stream.ptr)
+    return cuda.runtime.streamIsCapturing(stream if isinstance(stream, int) else stream.ptr)
 
 
 _oom_classes: dict = {}

@@ -21,6 +21,10 @@ default) or for the stream the caller names (``sync="stream"``):
   stream, ``toDlpack`` wait likewise, then export as CuPy does, except that
   managed memory is reported as ``kDLCUDA`` (PyTorch and JAX refuse
   ``kDLCUDAManaged``; the memory is device-accessible either way).
+
+While a stream captures a CUDA graph nothing captured has run and a wait
+would invalidate the capture: host exports raise, as CuPy's host transfers
+do then, and exports to GPU libraries wait for nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from . import _core
 from ._cupy_alloc import Lease, ReleaseQueue, UnifiedUpstream
 from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, capturing,
                            out_of_memory_error, set_capsule_device, sync_declarer)
+from ._errors import UmpError
 from ._placement import Placement
 
 __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
@@ -129,12 +134,14 @@ class CupyHook:
 
         Raises
         ------
-        RuntimeError
-            ``stream`` (the current stream if None) is capturing a CUDA
-            graph, as CuPy raises for a host transfer then: the wait would
-            invalidate the capture.
+        UmpError
+            (a ``RuntimeError``, as CuPy raises for a host transfer then)
+            ``stream`` is capturing a CUDA graph, or the current stream is
+            and the wait is device-wide: it would invalidate the capture.
         """
         self._refuse_while_capturing(stream)
+        if stream is not None and self.options.sync != "stream":
+            self._refuse_while_capturing(None)  # a device-wide wait stops any capture on it
         self._wait(stream, device)
 
     def _wait(self, stream, device):
@@ -146,16 +153,18 @@ class CupyHook:
 
     def _refuse_while_capturing(self, stream=None):
         if capturing(self.cupy, stream):
-            raise RuntimeError("the stream is capturing a CUDA graph: nothing captured has run, so "
-                               "the host cannot read CuPy's results and ump cannot wait for the GPU "
-                               "(end the capture and launch the graph first)")
+            raise UmpError("the stream is capturing a CUDA graph: nothing captured has run, so "
+                           "the host cannot read CuPy's results and ump cannot wait for the GPU "
+                           "(end the capture and launch the graph first)")
 
-    def wait_for_gpu_consumer(self, device) -> bool:
+    def wait_before_gpu_export(self, device, consumer_stream=None) -> bool:
         """Before another GPU library takes the array: wait for the device
-        (True), unless the current stream captures a graph (False). Then
-        nothing has run, and the consumer's work on that stream is captured
-        after CuPy's."""
-        if capturing(self.cupy):
+        (True), unless the current stream or the consumer's (a handle, as
+        DLPack passes it) captures a graph (False). Then nothing has run,
+        and stream order alone must do: CuPy's own export orders the
+        consumer's stream after its current one, or names it."""
+        if capturing(self.cupy) or (isinstance(consumer_stream, int) and consumer_stream > 0
+                                    and capturing(self.cupy, consumer_stream)):
             return False
         self._wait(None, device)
         return True
@@ -326,7 +335,7 @@ class CupyHook:
         managed_asked = dl_device is not None and dl_device[0] == KDL_CUDA_MANAGED
         if managed_asked:
             dl_device = None
-        self.wait_for_gpu_consumer(g.data.device_id)
+        self.wait_before_gpu_export(g.data.device_id, stream)
         capsule = original(g, stream=stream, dl_device=dl_device, copy=copy, **kwargs)
         return capsule if managed_asked else self.cuda_capsule(g, capsule)
 
@@ -378,7 +387,7 @@ class CupyHook:
             # A wait for the whole device, whatever ump.enable(sync=...)
             # says: the stream CuPy names is only the current one, and the
             # array may have been written on any.
-            waited = hook.wait_for_gpu_consumer(self.data.device_id)
+            waited = hook.wait_before_gpu_export(self.data.device_id)
             desc = cai.__get__(self)
             # The device is done with the array, so no stream is named for
             # the consumer to wait on. A stream named would also become
@@ -400,7 +409,7 @@ class CupyHook:
             return hook.dlpack_device(self)
 
         def to_dlpack(self):
-            hook.wait_for_gpu_consumer(self.data.device_id)
+            hook.wait_before_gpu_export(self.data.device_id)
             return hook.cuda_capsule(self, original["toDlpack"](self))
 
         for fn, like in ((get, original["get"]), (dlpack, original["__dlpack__"]),
