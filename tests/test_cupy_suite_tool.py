@@ -103,3 +103,47 @@ def test_unreached_lists_the_modules_a_side_has_no_results_for(suite):
     assert "failed to collect (some modules collect only on a GPU): cupy_tests/core_tests/test_broken.py" in lines
     assert lines[-1] == ("cupy_tests/core_tests/test_broken.py cupy_tests/core_tests/test_later.py "
                          "cupy_tests/core_tests/test_sample.py")
+
+
+def test_an_empty_budget_leaves_it_to_the_plugin(suite):
+    tests, _ = suite
+    record = tests.parent / "argv.txt"
+    (tests / "cupy_tests" / "core_tests" / "test_argv.py").write_text(
+        f"import sys\n\n\ndef test_record_argv():\n    open({str(record)!r}, 'a').write(repr(sys.argv) + '\\n')\n")
+    assert _run(suite, UMP_SUITE_RUNS="ump").returncode == 0
+    assert "--ump-cap=4G" in record.read_text()
+    record.unlink()
+    assert _run(suite, UMP_SUITE_RUNS="ump", UMP_CUPY_SUITE_CAP="").returncode == 0
+    assert "--ump=auto" in record.read_text() and "--ump-cap" not in record.read_text()
+
+
+def _junit(path, outcomes):
+    cases = "".join(f'<testcase classname="tests.cupy_tests.core_tests.test_x" name="{name}">'
+                    + ("<failure message='no'/>" if outcome == "failed" else "") + "</testcase>"
+                    for name, outcome in outcomes.items())
+    path.write_text(f'<testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>')
+
+
+def test_stored_merges_each_side_in_the_order_of_runs_txt(tmp_path):
+    _junit(tmp_path / "stock-first.xml", {"test_a": "passed", "test_b": "passed"})
+    _junit(tmp_path / "ump-first.xml", {"test_a": "failed", "test_b": "passed"})
+    _junit(tmp_path / "ump-rerun.xml", {"test_a": "passed"})  # a later run of the ump side
+
+    def stored():
+        return subprocess.run([sys.executable, str(TOOL), "--stored", str(tmp_path)],
+                              capture_output=True, text=True, timeout=60)
+
+    (tmp_path / "runs.txt").write_text("# oldest first\nfirst\nrerun  # after the fix\n")
+    result = stored()
+    assert "0 tests differ" in result.stdout and "core_tests: 2 / 0 / 0 | 2 / 0 / 0" in result.stdout
+    (tmp_path / "runs.txt").write_text("rerun\nfirst\n")
+    result = stored()
+    assert "1 tests differ" in result.stdout and "passed -> failed: " in result.stdout
+    (tmp_path / "runs.txt").write_text("first\n")
+    result = stored()
+    assert result.returncode != 0 and "does not list the run(s) rerun" in result.stderr
+
+
+def test_help_prints_the_usage():
+    result = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--stored STORED_DIR" in result.stdout

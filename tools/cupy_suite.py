@@ -9,15 +9,22 @@ beside it (its pytest settings: strict markers, warning filters).
     UMP_SUITE_TIMEOUT=240 python tools/cupy_suite.py ...  # interrupt each side after 240 s
     UMP_SUITE_GPUS=0,1 python tools/cupy_suite.py ...     # both sides at once, one GPU each
     python tools/cupy_suite.py --compare STOCK.xml UMP.xml
+    python tools/cupy_suite.py --stored STORED_DIR
     python tools/cupy_suite.py --unreached TESTS_DIR STORED_DIR [pytest args...]
 
 The "stock" run is CuPy as shipped (CUPY_ENABLE_UMP unset: its own UMP path
 fails on GPUs without HMM/ATS). The "ump" run sets CUPY_ENABLE_UMP=1 and adds
 ump's packaged pytest plugin (``-p ump.pytest_plugin --ump=BACKEND``) to
 CuPy's unchanged test suite; UMP_CUPY_SUITE_CAP (default 4G) is each test
-process's budget, so that -n workers together stay within the GPU.
+process's budget, so that -n workers together stay within the GPU; set empty,
+it leaves the budget to the plugin (ump's default in one process, 0.9 of the
+GPU shared by -n workers).
 Each run writes JUnit XML; the script prints both counts and every test whose
 outcome differs. XML files may be gzipped (the stored baselines are).
+``--stored`` reports on every stock-RUN.xml[.gz] and ump-RUN.xml[.gz] in
+STORED_DIR together: a side's outcomes are merged in the order of the RUN
+names in STORED_DIR/runs.txt (the order the runs were made), so that a later
+run's outcome of a test replaces an earlier one's.
 ``--unreached`` collects the suite (on a GPU: some modules collect only
 there) and, against every stock-*.xml[.gz] and ump-*.xml[.gz] in STORED_DIR,
 prints each module with fewer results on a side than tests collected, then
@@ -97,6 +104,31 @@ def unreached(collected: collections.Counter, stored: dict) -> list[tuple[str, s
     return rows
 
 
+def stored_outcomes(stored_dir: pathlib.Path) -> dict[str, dict[str, str]]:
+    """side -> outcomes of every run stored in ``stored_dir``, merged in the
+    order of ``runs.txt`` there (one run name a line, oldest first; ``#``
+    starts a comment), or in name order without it."""
+    order_file = stored_dir / "runs.txt"
+    order = None
+    if order_file.exists():
+        order = [line.split("#")[0].strip() for line in order_file.read_text().splitlines()]
+        order = [name for name in order if name]
+    merged = {}
+    for side in ("stock", "ump"):
+        files = {re.sub(r"\.xml(\.gz)?$", "", xml.name)[len(side) + 1:]: xml
+                 for xml in stored_dir.glob(f"{side}-*.xml*")}
+        if order is not None:
+            unlisted = sorted(set(files) - set(order))
+            if unlisted:
+                raise SystemExit(f"{order_file} does not list the run(s) {', '.join(unlisted)}: "
+                                 "add each where it belongs in the order the runs were made")
+        merged[side] = {}
+        for run in (order if order is not None else sorted(files)):
+            if run in files:
+                merged[side].update(outcomes(files[run]))
+    return merged
+
+
 def _collect(tests: pathlib.Path, args) -> tuple[collections.Counter, list[str]]:
     """Tests per module, and the modules that failed to collect."""
     env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
@@ -121,17 +153,20 @@ def _check_tests_dir(tests: pathlib.Path) -> None:
 
 
 def main(argv):
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
     if argv[0] == "--compare":
         report(outcomes(pathlib.Path(argv[1])), outcomes(pathlib.Path(argv[2])))
+        return
+    if argv[0] == "--stored":
+        stored = stored_outcomes(pathlib.Path(argv[1]))
+        report(stored["stock"], stored["ump"])
         return
     if argv[0] == "--unreached":
         tests, stored_dir = pathlib.Path(argv[1]), pathlib.Path(argv[2])
         _check_tests_dir(tests)
-        stored = {}
-        for side in ("stock", "ump"):
-            stored[side] = {}
-            for xml in sorted(stored_dir.glob(f"{side}-*.xml*")):
-                stored[side].update(outcomes(xml))
+        stored = stored_outcomes(stored_dir)
         collected, errors = _collect(tests, argv[3:])
         rows = unreached(collected, stored)
         for side, module, results, total in rows:
@@ -148,7 +183,7 @@ def main(argv):
     limit = float(os.environ.get("UMP_SUITE_TIMEOUT", "0")) or None  # seconds per side
     # One GPU per side, both running at once (each sees its GPU as device 0).
     gpus = [g for g in os.environ.get("UMP_SUITE_GPUS", "").split(",") if g]
-    ump_args = [*_load_plugin(), f"--ump={backend}", f"--ump-cap={cap}"]
+    ump_args = [*_load_plugin(), f"--ump={backend}", *([f"--ump-cap={cap}"] if cap else [])]
     sides = []
     for label, extra_env, plugin in (("stock", {}, []), ("ump", {"CUPY_ENABLE_UMP": "1"}, ump_args)):
         if label not in wanted:
