@@ -324,6 +324,60 @@ def test_placement_auto_keeps_a_peeked_block_on_the_gpu(gpu_caps):
     assert a[-1] == 9.0 and a.sum() == 9.0 * a.size  # NumPy reads all of it at the end
 
 
+def _preferred_location(ptr: int, size: int) -> int:
+    """cudaMemRangeAttributePreferredLocation of a managed range, read from
+    the driver: -1 the host, a device index, -2 none."""
+    from cuda.bindings import runtime as rt
+
+    err, value = rt.cudaMemRangeGetAttribute(
+        4, rt.cudaMemRangeAttribute.cudaMemRangeAttributePreferredLocation, ptr, size)
+    assert err == rt.cudaError_t.cudaSuccess, err
+    return value
+
+
+@pytest.mark.serial
+def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_caps):
+    """CuPy makes 256 MiB, the host reads all of it, again and again: at the
+    second export (the GPU's write faulted back what the host had read) the
+    block becomes host memory that the GPU writes over the link.
+    When CuPy's pool gives that memory to another array, it goes back to the
+    GPU; the values are right throughout."""
+    from ump import backends
+
+    if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
+        pytest.skip("needs the managed backend")
+    pytest.importorskip("cuda.bindings", reason="reads the advice back through cuda-bindings")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    hook = ump._enable.current().cupy
+    placement = hook.placement
+    n = 64 << 20  # 256 MiB of float32
+    cupy.random.random(8, dtype=cupy.float32)  # the generator and its kernels, made once
+    remote = []
+    for life in range(6):
+        g = cupy.random.random(n, dtype=cupy.float32)
+        b = cupy.asnumpy(g)
+        assert b.ctypes.data == g.data.ptr  # still one address
+        assert 0.49 < float(b.sum(dtype=np.float64)) / n < 0.51  # the host reads every page
+        assert b[n // 3] == float(g[n // 3])
+        _, base, size = ump._core.lookup(g.data.ptr)
+        remote.append((base, size) in placement.remote)
+        del g, b
+    assert remote == [False] + [True] * 5, remote  # and the faster lives kept it there
+    assert _preferred_location(base, size) == -1  # host, in the driver's view
+    assert cupy.cuda.get_allocator() == hook._watched_malloc
+
+    other = cupy.empty(n // 2, dtype=cupy.float32)  # CuPy's pool splits the free block
+    assert base <= other.data.ptr < base + size
+    assert not placement.remote and placement.results[(base, size)].retired
+    assert _preferred_location(base, size) == -2  # no advice left
+    assert cupy.cuda.get_allocator() == hook.pool.malloc  # the watch is off again
+    other[:] = 1
+    other *= 3
+    assert float(other.sum()) == 3.0 * other.size
+
+
 def test_disable_restores_cupy(gpu_backend):
     name, cupy = gpu_backend
     a = np.arange(10.0)

@@ -243,3 +243,139 @@ def test_a_hand_off_while_a_graph_is_captured_records_nothing_and_moves_nothing(
     cupy.capturing = False
     policy.on_handoff("managed", BASE, GiB)
     assert moves == [(GiB, 0)]
+
+
+# --- results the host reads back (CuPy's own blocks) --------------------------
+
+PREFERRED_HOST, ACCESSED_BY_0 = (3, -1), (5, 0)
+UNSET = [(4, -1), (6, 0)]
+
+
+@pytest.fixture
+def advice(monkeypatch):
+    """Every cuMemAdvise the policy makes: (code, device)."""
+    made = []
+    monkeypatch.setattr(_placement._core, "advise",
+                        lambda base, size, code, device: made.append((code, device)))
+    return made
+
+
+class Watch:
+    """The switch of the watch on CuPy's allocations, as CupyHook gives it."""
+
+    def __init__(self, available=True):
+        self.on, self.available, self.calls = False, available, []
+
+    def __call__(self, on):
+        self.calls.append(on)
+        self.on = on and self.available
+        return self.on
+
+
+def _results_policy(mode="auto", watch=None):
+    cupy = FakeCupy()
+    policy = _policy(cupy, mode)
+    policy.watch = Watch() if watch is None else watch
+    now = [0.0]
+    policy.clock = lambda: now[0]
+    return policy, now
+
+
+def _result(policy, now, size, waited, lo=BASE, hi=None):
+    """CuPy made the array, the host waited `waited` at its export."""
+    now[0] += waited
+    policy.on_result_export(BASE, size, lo, BASE + size if hi is None else hi, 0, waited)
+
+
+def test_a_result_the_gpu_faults_back_is_mapped_in_host_memory_and_stays(moves, advice):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.083)  # the first life: fresh pages, nothing known
+    assert advice == [] and not policy.watch.on
+    _result(policy, now, GiB, 0.103)  # the next write faulted what the host read back
+    assert advice == [PREFERRED_HOST, ACCESSED_BY_0] and policy.watch.on
+    for _ in range(5):  # the loop goes on: the same array, written over the link
+        policy.on_cupy_malloc(BASE, GiB)
+        _result(policy, now, GiB, 0.021)
+    assert advice == [PREFERRED_HOST, ACCESSED_BY_0] and moves == []
+    assert policy.results[(BASE, GiB)].remote and policy.watch.on
+
+
+def test_a_host_mapped_result_not_twice_as_fast_goes_back_to_the_gpu_for_good(moves, advice):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1)
+    _result(policy, now, GiB, 0.1)
+    policy.on_cupy_malloc(BASE, GiB)
+    _result(policy, now, GiB, 0.3)  # kernels over the link: more than writing it once
+    assert advice == [PREFERRED_HOST, ACCESSED_BY_0] + UNSET and moves == [(GiB, 0)]
+    assert not policy.watch.on and not policy.remote
+    for _ in range(3):
+        _result(policy, now, GiB, 0.1)
+    assert len(advice) == 4 and moves == [(GiB, 0)]  # tried once
+
+
+@pytest.mark.parametrize("ptr, size", [(BASE, 64 * MiB), (BASE + 512 * MiB, 64 * MiB), (BASE - MiB, 2 * MiB)])
+def test_another_array_in_a_host_mapped_results_memory_puts_it_back_on_the_gpu(moves, advice, ptr, size):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1)
+    _result(policy, now, GiB, 0.1)
+    policy.on_cupy_malloc(BASE + 2 * GiB, 64 * MiB)  # elsewhere: nothing to do
+    assert moves == [] and policy.remote
+    policy.on_cupy_malloc(ptr, size)  # CuPy's pool gave part of it to another array
+    assert advice[2:] == UNSET and moves == [(GiB, 0)] and not policy.watch.on
+
+
+def test_a_host_mapped_array_living_longer_than_the_loops_goes_back_to_the_gpu(moves, advice):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1)
+    _result(policy, now, GiB, 0.1)
+    policy.on_cupy_malloc(BASE, GiB)
+    _result(policy, now, GiB, 0.02)  # a life of 20 ms
+    policy.on_cupy_malloc(BASE, GiB)  # the same array again ...
+    now[0] += 0.15
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)  # ... still alive: not yet twice the 0.1 s
+    assert moves == []
+    now[0] += 0.1
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)  # 0.25 s: its kernels are not the loop's
+    assert advice[2:] == UNSET and moves == [(GiB, 0)]
+
+
+def test_results_stay_on_the_gpu_without_the_evidence(moves, advice):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.5)  # one export: nothing repeats yet
+    big = BASE + 4 * GiB
+    for _ in range(5):  # kernels in HBM and a peek: less than a move one way each time
+        now[0] += 0.003
+        policy.on_result_export(big, GiB, big, big + GiB, 0, 0.003)
+    _result(policy, now, GiB, 0.5, lo=BASE + 4096)  # an array inside the block, not the block
+    _result(policy, now, GiB, 0.5, hi=BASE + GiB // 4)
+    policy.on_result_export(BASE, GiB, BASE, BASE + GiB, 0, None)  # no wait: nothing measured
+    assert advice == [] and moves == []
+    small = BASE + 8 * GiB
+    for _ in range(3):
+        policy.on_result_export(small, MiB, small, small + MiB, 0, 0.5)  # below prefetch_min
+    assert advice == [] and not policy.results.get((small, MiB))
+
+
+@pytest.mark.parametrize("mode", ["host", "migrate"])
+def test_fixed_modes_leave_results_on_the_gpu(moves, advice, mode):
+    policy, now = _results_policy(mode)
+    for _ in range(3):
+        _result(policy, now, GiB, 0.1)
+    assert advice == [] and moves == []
+
+
+def test_without_the_watch_results_stay_on_the_gpu(moves, advice):
+    # An allocator the program set itself: ump cannot see CuPy's pool
+    # hand the memory to another array, so it never maps it in host memory.
+    policy, now = _results_policy(watch=Watch(available=False))
+    for _ in range(3):
+        _result(policy, now, GiB, 0.1)
+    assert advice == [] and not policy.remote
+
+
+def test_disable_puts_host_mapped_results_back_on_the_gpu(moves, advice):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1)
+    _result(policy, now, GiB, 0.1)
+    policy.close()
+    assert advice[2:] == UNSET and moves == [(GiB, 0)] and not policy.watch.on

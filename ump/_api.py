@@ -140,7 +140,7 @@ def _managed_range(array):
     if found is None or found[0] != "managed":
         kind = _core.lookup(ptr)[0]
         raise UmpError(f"prefetch and advice need managed memory; this array's memory is {kind or 'not ump'}'s")
-    _, _, _, lo, hi = found
+    _, _, _, lo, hi, _ = found
     return lo, hi - lo
 
 

@@ -66,15 +66,15 @@ def _extent(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
 
 
 def _block_of(ptr: int, shape, strides, itemsize: int, kinds=GPU_KINDS):
-    """(kind, base, size, lo, hi) if the array lies inside one live block of
-    one of ``kinds``, else None."""
-    kind, base, size = _core.lookup(ptr)
+    """(kind, base, size, lo, hi, owner) if the array lies inside one live
+    block of one of ``kinds``, else None."""
+    kind, base, size, owner = _core.lookup_owner(ptr)
     if kind not in kinds:
         return None
     lo, hi = _extent(ptr, shape, strides, itemsize)
     if lo < base or hi > base + size:
         return None
-    return kind, base, size, lo, hi
+    return kind, base, size, lo, hi, owner
 
 
 def _layout_ok(a, order) -> bool:
@@ -104,14 +104,16 @@ class CupyHook:
     """Everything ump changes in CuPy while enabled, and how to undo it."""
 
     def __init__(self, cupy, backend, arena, options, headroom: int, pool=None, pool_for=None,
-                 arena_for=None):
+                 arena_for=None, numpy_arena: int = -1):
         self.cupy = cupy
+        self.numpy_arena = numpy_arena  # NumPy's arena id: its blocks are not CuPy's results
         self.device = options.device
         self.pool_for = pool_for  # backend "device": the VMM pool of another device
         self.backend = backend
         self.options = options
         self.release = ReleaseQueue.shared(cupy)
         self.placement = Placement(cupy, options, headroom)
+        self.placement.watch = self._watch_allocations
         self.out_of_memory = out_of_memory_error(cupy)
         self._declare_synchronize = sync_declarer(cupy)  # read once: every export calls it
         # backend "device": a VMM pool, and NumPy <-> CuPy are copies
@@ -183,7 +185,7 @@ class CupyHook:
         found = _block_of(ptr, a.shape, a.strides, dtype.itemsize)
         if found is None:
             return None
-        kind, base, size, lo, hi = found
+        kind, base, size, lo, hi, _ = found
         self.placement.on_handoff(kind, base, size)
         cuda = self.cupy.cuda
         device = cuda.runtime.getDevice()
@@ -247,7 +249,7 @@ class CupyHook:
         found = _block_of(ptr, g.shape, g.strides, g.dtype.itemsize)
         if found is None:
             return None
-        kind, base, size, _, _ = found
+        kind, base, size, lo, hi, owner = found
         waited = None
         if sync:
             start = time.perf_counter()
@@ -256,6 +258,8 @@ class CupyHook:
         else:
             self._refuse_while_capturing(stream)  # the kernels have not even run
         self.placement.on_host_export(kind, base, size, waited)
+        if kind == "managed" and owner != self.numpy_arena:
+            self.placement.on_result_export(base, size, lo, hi, g.data.device_id, waited)
         iface = {
             "version": 3,
             "shape": g.shape,
@@ -435,6 +439,22 @@ class CupyHook:
             patches.set(nd, "__buffer__", buffer)
         cupy.cuda.set_allocator(self._malloc_on_current_device if self.copies else self.pool.malloc)
 
+    def _watch_allocations(self, on: bool) -> bool:
+        """Route CuPy's allocations through the placement policy (on) or
+        straight to the pool (off); answer whether they now go through it.
+        An allocator the program set itself is left alone."""
+        cuda = self.cupy.cuda
+        plain, watched = self.pool.malloc, self._watched_malloc
+        target, other = (watched, plain) if on else (plain, watched)
+        if cuda.get_allocator() == other:
+            cuda.set_allocator(target)
+        return cuda.get_allocator() == watched
+
+    def _watched_malloc(self, size):
+        mem = self.pool.malloc(size)
+        self.placement.on_cupy_malloc(mem.ptr, size)
+        return mem
+
     def _malloc_on_current_device(self, size):
         """Backend "device": allocate from the pool of the device CuPy is on
         (CuPy's own MemoryPool is per device inside; a VMM pool is not)."""
@@ -444,6 +464,7 @@ class CupyHook:
 
     def uninstall(self):
         cupy = self.cupy
+        self.placement.close()
         cupy.cuda.set_allocator(self._saved_allocator)
         self._patches.restore()
         # Not self.synchronize(): disable() must not fail half-way under

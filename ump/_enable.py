@@ -316,7 +316,8 @@ def enable(backend: str = "auto", **options) -> str:
             _device_arenas.clear()  # made again under this enable's options (the same C arenas)
             arena_for = None if cupy_arena is None else functools.partial(_cupy_arena_on, chosen, opts, cupy_arena)
             hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts, headroom, pool=pool,
-                                       pool_for=_device_pool, arena_for=arena_for)
+                                       pool_for=_device_pool, arena_for=arena_for,
+                                       numpy_arena=numpy_arena.id)
             with cupy.cuda.Device(opts.device):
                 hook.install()
         try:
