@@ -324,15 +324,34 @@ def test_placement_auto_keeps_a_peeked_block_on_the_gpu(gpu_caps):
     assert a[-1] == 9.0 and a.sum() == 9.0 * a.size  # NumPy reads all of it at the end
 
 
-def _preferred_location(ptr: int, size: int) -> int:
-    """cudaMemRangeAttributePreferredLocation of a managed range, read from
-    the driver: -1 the host, a device index, -2 none."""
+def _range_attribute(ptr: int, size: int, name: str) -> int:
+    """cudaMemRangeAttribute<name> of a managed range, read from the driver:
+    -1 the host, a device index, -2 none."""
     from cuda.bindings import runtime as rt
 
-    err, value = rt.cudaMemRangeGetAttribute(
-        4, rt.cudaMemRangeAttribute.cudaMemRangeAttributePreferredLocation, ptr, size)
+    err, value = rt.cudaMemRangeGetAttribute(4, getattr(rt.cudaMemRangeAttribute, f"cudaMemRangeAttribute{name}"),
+                                             ptr, size)
     assert err == rt.cudaError_t.cudaSuccess, err
     return value
+
+
+def _results_loop(cupy, n, lives):
+    """`lives` times: CuPy makes n float32, the host reads all of it. The
+    last array, its block (base, size), and whether each life ended with the
+    block host-mapped."""
+    placement = ump._enable.current().cupy.placement
+    mapped, g = [], None
+    for _ in range(lives):
+        g = None  # the previous life's array goes back to CuPy's pool first
+        g = cupy.random.random(n, dtype=cupy.float32)
+        b = cupy.asnumpy(g)
+        assert b.ctypes.data == g.data.ptr  # still one address
+        assert 0.49 < float(b.sum(dtype=np.float64)) / n < 0.51  # the host reads every page
+        assert b[n // 3] == float(g[n // 3])
+        _, base, size = ump._core.lookup(g.data.ptr)
+        mapped.append((base, size) in placement.mapped)
+        del b
+    return g, (base, size), mapped
 
 
 @pytest.mark.serial
@@ -340,8 +359,8 @@ def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_ca
     """CuPy makes 256 MiB, the host reads all of it, again and again: at the
     second export (the GPU's write faulted back what the host had read) the
     block becomes host memory that the GPU writes over the link.
-    When CuPy's pool gives that memory to another array, it goes back to the
-    GPU; the values are right throughout."""
+    When CuPy's pool gives that memory to another array, and at disable(),
+    it goes back to the GPU; the values are right throughout."""
     from ump import backends
 
     if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
@@ -354,28 +373,31 @@ def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_ca
     placement = hook.placement
     n = 64 << 20  # 256 MiB of float32
     cupy.random.random(8, dtype=cupy.float32)  # the generator and its kernels, made once
-    remote = []
-    for life in range(6):
-        g = cupy.random.random(n, dtype=cupy.float32)
-        b = cupy.asnumpy(g)
-        assert b.ctypes.data == g.data.ptr  # still one address
-        assert 0.49 < float(b.sum(dtype=np.float64)) / n < 0.51  # the host reads every page
-        assert b[n // 3] == float(g[n // 3])
-        _, base, size = ump._core.lookup(g.data.ptr)
-        remote.append((base, size) in placement.remote)
-        del g, b
-    assert remote == [False] + [True] * 5, remote  # and the faster lives kept it there
-    assert _preferred_location(base, size) == -1  # host, in the driver's view
+    g, (base, size), mapped = _results_loop(cupy, n, 6)
+    del g
+    assert mapped == [False] + [True] * 5, mapped  # and the faster lives kept it there
+    assert _range_attribute(base, size, "PreferredLocation") == -1  # host, in the driver's view
     assert cupy.cuda.get_allocator() == hook._watched_malloc
 
     other = cupy.empty(n // 2, dtype=cupy.float32)  # CuPy's pool splits the free block
     assert base <= other.data.ptr < base + size
-    assert not placement.remote and placement.results[(base, size)].retired
-    assert _preferred_location(base, size) == -2  # no advice left
+    assert not placement.mapped and placement.results[(base, size)].retired
+    assert _range_attribute(base, size, "PreferredLocation") == -2  # no advice left
+    assert _range_attribute(base, size, "LastPrefetchLocation") == 0  # and moved to the GPU
     assert cupy.cuda.get_allocator() == hook.pool.malloc  # the watch is off again
     other[:] = 1
     other *= 3
     assert float(other.sum()) == 3.0 * other.size
+
+    # disable() with a block host-mapped: back on the GPU, CuPy's allocator restored
+    keep, (base2, size2), mapped = _results_loop(cupy, n // 2 + (1 << 20), 3)
+    assert mapped[-1] and base2 != base
+    ump.disable()
+    assert _range_attribute(base2, size2, "PreferredLocation") == -2
+    assert _range_attribute(base2, size2, "LastPrefetchLocation") == 0
+    assert cupy.cuda.get_allocator() == hook._saved_allocator
+    keep[:] = 2  # an array from before disable() keeps working
+    assert float(keep.sum()) == 2.0 * keep.size
 
 
 def test_disable_restores_cupy(gpu_backend):

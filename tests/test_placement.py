@@ -25,7 +25,20 @@ class FakeCupy:
         self.free = free
         self.capturing = False  # the current stream captures a CUDA graph
         self.stream_waits = 0
+        self.device = 0  # the current device
+        self.entered = []  # devices made current with `with cuda.Device(d)`
         fake = self
+
+        class Device:
+            def __init__(self, device):
+                self.device = device
+
+            def __enter__(self):
+                self.before, fake.device = fake.device, self.device
+                fake.entered.append(self.device)
+
+            def __exit__(self, *exc):
+                fake.device = self.before
 
         class Event:
             def record(self, stream=None):
@@ -40,23 +53,29 @@ class FakeCupy:
             def synchronize(self):
                 fake.stream_waits += 1
 
-        runtime = types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: (fake.free, 80 * GiB),
+        runtime = types.SimpleNamespace(getDevice=lambda: fake.device,
+                                        memGetInfo=lambda: (fake.free, 80 * GiB),
                                         streamIsCapturing=lambda ptr: fake.capturing)
         self.cuda = types.SimpleNamespace(
-            Event=Event, runtime=runtime, get_current_stream=lambda: Stream(),
+            Event=Event, Device=Device, runtime=runtime, get_current_stream=lambda: Stream(),
             get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3)
 
     def work(self, seconds):
         self.clock += seconds
 
 
+def _record(monkeypatch, call: str, what):
+    """Replace the CUDA call ``_core.<call>`` with a list of ``what(*args)``
+    for each call made."""
+    made = []
+    monkeypatch.setattr(_placement._core, call, lambda *args: made.append(what(*args)))
+    return made
+
+
 @pytest.fixture
 def moves(monkeypatch):
     """Every prefetch the policy issues: (size, device), -1 for the host."""
-    made = []
-    monkeypatch.setattr(_placement._core, "prefetch",
-                        lambda base, size, device, stream: made.append((size, device)))
-    return made
+    return _record(monkeypatch, "prefetch", lambda base, size, device, stream: (size, device))
 
 
 def _policy(cupy, mode="auto"):
@@ -254,10 +273,7 @@ UNSET = [(4, -1), (6, 0)]
 @pytest.fixture
 def advice(monkeypatch):
     """Every cuMemAdvise the policy makes: (code, device)."""
-    made = []
-    monkeypatch.setattr(_placement._core, "advise",
-                        lambda base, size, code, device: made.append((code, device)))
-    return made
+    return _record(monkeypatch, "advise", lambda base, size, code, device: (code, device))
 
 
 class Watch:
@@ -281,10 +297,10 @@ def _results_policy(mode="auto", watch=None):
     return policy, now
 
 
-def _result(policy, now, size, waited, lo=BASE, hi=None):
-    """CuPy made the array, the host waited `waited` at its export."""
+def _result(policy, now, size, waited, lo=BASE, hi=None, device=0):
+    """CuPy made the array on `device`, the host waited `waited` at its export."""
     now[0] += waited
-    policy.on_result_export(BASE, size, lo, BASE + size if hi is None else hi, 0, waited)
+    policy.on_result_export(BASE, size, lo, BASE + size if hi is None else hi, device, waited)
 
 
 def test_a_result_the_gpu_faults_back_is_mapped_in_host_memory_and_stays(moves, advice):
@@ -297,7 +313,7 @@ def test_a_result_the_gpu_faults_back_is_mapped_in_host_memory_and_stays(moves, 
         policy.on_cupy_malloc(BASE, GiB)
         _result(policy, now, GiB, 0.021)
     assert advice == [PREFERRED_HOST, ACCESSED_BY_0] and moves == []
-    assert policy.results[(BASE, GiB)].remote and policy.watch.on
+    assert policy.results[(BASE, GiB)].host_mapped and policy.watch.on
 
 
 def test_a_host_mapped_result_not_twice_as_fast_goes_back_to_the_gpu_for_good(moves, advice):
@@ -307,7 +323,7 @@ def test_a_host_mapped_result_not_twice_as_fast_goes_back_to_the_gpu_for_good(mo
     policy.on_cupy_malloc(BASE, GiB)
     _result(policy, now, GiB, 0.3)  # kernels over the link: more than writing it once
     assert advice == [PREFERRED_HOST, ACCESSED_BY_0] + UNSET and moves == [(GiB, 0)]
-    assert not policy.watch.on and not policy.remote
+    assert not policy.watch.on and not policy.mapped
     for _ in range(3):
         _result(policy, now, GiB, 0.1)
     assert len(advice) == 4 and moves == [(GiB, 0)]  # tried once
@@ -319,7 +335,7 @@ def test_another_array_in_a_host_mapped_results_memory_puts_it_back_on_the_gpu(m
     _result(policy, now, GiB, 0.1)
     _result(policy, now, GiB, 0.1)
     policy.on_cupy_malloc(BASE + 2 * GiB, 64 * MiB)  # elsewhere: nothing to do
-    assert moves == [] and policy.remote
+    assert moves == [] and policy.mapped
     policy.on_cupy_malloc(ptr, size)  # CuPy's pool gave part of it to another array
     assert advice[2:] == UNSET and moves == [(GiB, 0)] and not policy.watch.on
 
@@ -370,7 +386,7 @@ def test_without_the_watch_results_stay_on_the_gpu(moves, advice):
     policy, now = _results_policy(watch=Watch(available=False))
     for _ in range(3):
         _result(policy, now, GiB, 0.1)
-    assert advice == [] and not policy.remote
+    assert advice == [] and not policy.mapped
 
 
 def test_disable_puts_host_mapped_results_back_on_the_gpu(moves, advice):
@@ -379,3 +395,58 @@ def test_disable_puts_host_mapped_results_back_on_the_gpu(moves, advice):
     _result(policy, now, GiB, 0.1)
     policy.close()
     assert advice[2:] == UNSET and moves == [(GiB, 0)] and not policy.watch.on
+
+
+def test_advice_the_driver_refuses_leaves_the_result_on_the_gpu(moves, monkeypatch):
+    def refuse(base, size, code, device):
+        raise _placement.UmpError("advising", "CUDA_ERROR_INVALID_DEVICE")
+
+    monkeypatch.setattr(_placement._core, "advise", refuse)
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1)
+    _result(policy, now, GiB, 0.1)  # the export itself goes on
+    assert not policy.mapped and policy.results[(BASE, GiB)].retired and not policy.watch.on
+
+
+def test_a_result_on_another_gpu_is_mapped_for_that_gpu_and_moved_back_there(moves, advice):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1, device=1)
+    _result(policy, now, GiB, 0.1, device=1)
+    assert advice == [PREFERRED_HOST, (5, 1)]
+    policy.on_cupy_malloc(BASE, 64 * MiB)  # on device 0, into that block's memory
+    assert advice[2:] == [(4, -1), (6, 1)] and moves == [(GiB, 1)]
+    assert policy.cupy.entered == [1]  # its free memory and stream are device 1's
+
+
+def test_a_host_mapped_block_given_back_to_the_arena_goes_back_to_the_gpu(moves, advice):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1)
+    _result(policy, now, GiB, 0.1)
+    policy.on_block_freed(BASE + GiB)  # another block
+    assert policy.mapped
+    policy.on_block_freed(BASE)  # CuPy's pool let go of it (free_all_blocks)
+    assert advice[2:] == UNSET and moves == [(GiB, 0)] and not policy.results and not policy.watch.on
+
+
+def test_allocations_during_a_graph_capture_move_nothing(moves, advice):
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1)
+    _result(policy, now, GiB, 0.1)
+    policy.cupy.capturing = True
+    policy.on_cupy_malloc(BASE, 64 * MiB)  # a prefetch would invalidate the capture
+    assert moves == [] and policy.mapped
+    policy.cupy.capturing = False
+    policy.on_cupy_malloc(BASE, 64 * MiB)  # the next allocation after it
+    assert moves == [(GiB, 0)] and not policy.mapped
+
+
+def test_a_cuda_error_while_moving_back_does_not_fail_the_allocation(advice, monkeypatch):
+    def refuse(base, size, device, stream):
+        raise RuntimeError("cudaErrorInvalidValue")  # as CuPy's CUDARuntimeError
+
+    monkeypatch.setattr(_placement._core, "prefetch", refuse)
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.1)
+    _result(policy, now, GiB, 0.1)
+    policy.on_cupy_malloc(BASE, 64 * MiB)
+    assert advice[2:] == UNSET and not policy.mapped and not policy.watch.on

@@ -281,6 +281,14 @@ def cuda_set_context(ctx: int, device: int) -> None:
     _cuda_set_context(ctx, device)
 
 
+#: cuMemAdvise's advice codes (cuda.h), by the names ump.advise takes.
+ADVICE = {
+    "read_mostly": 1, "unset_read_mostly": 2,
+    "preferred_location": 3, "unset_preferred_location": 4,
+    "accessed_by": 5, "unset_accessed_by": 6,
+}
+
+
 def prefetch(ptr: int, size: int, device: int, stream: int) -> None:
     check(_prefetch(ptr, size, device, stream), f"prefetching {size} bytes at {ptr:#x}")
 

@@ -226,17 +226,20 @@ class Lease:
 class _Chunk:
     """Owner of a block CuPy's pool took from the arena."""
 
-    __slots__ = ("ptr", "runtime")
+    __slots__ = ("ptr", "runtime", "on_free")
 
-    def __init__(self, ptr, runtime):
+    def __init__(self, ptr, runtime, on_free=None):
         self.ptr = ptr
         self.runtime = runtime
+        self.on_free = on_free
 
     def __del__(self):
         # CuPy's pool lets go of a block only in free_all_blocks(), and
         # assumes the free synchronises like cudaFree: a kernel may still
         # use it, and NumPy could be handed the block next.
         try:
+            if self.on_free is not None:
+                self.on_free(self.ptr)  # the placement undoes its advice while the block is live
             self.runtime.deviceSynchronize()
         except Exception:
             pass
@@ -257,8 +260,9 @@ class UnifiedUpstream:
     """
 
     def __init__(self, cupy, arena, backend_name: str, release: ReleaseQueue, error_class,
-                 spill: bool, device: int = 0, arena_for=None):
+                 spill: bool, device: int = 0, arena_for=None, on_free=None):
         self.cupy = cupy
+        self.on_free = on_free  # told the base of each block the pool gives back
         self.spill = spill
         self.arena = arena  # the enabled device's
         self.device = device
@@ -274,7 +278,7 @@ class UnifiedUpstream:
         ptr = _core._arena_alloc(arena.id, size)
         self.status = _core.last_status() if not ptr else 0
         if ptr:
-            mem = cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cuda.runtime), device)
+            mem = cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cuda.runtime, self.on_free), device)
             return cuda.memory.MemoryPointer(mem, 0)
         if not self.spill:
             return None

@@ -46,12 +46,6 @@ __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
 #: Kinds whose blocks a kernel can use at their host address.
 GPU_KINDS = frozenset({"system", "managed", "pinned"})
 
-_ADVICE = {
-    "read_mostly": 1, "unset_read_mostly": 2,
-    "preferred_location": 3, "unset_preferred_location": 4,
-    "accessed_by": 5, "unset_accessed_by": 6,
-}
-
 
 def _extent(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
     lo = hi = ptr
@@ -112,8 +106,7 @@ class CupyHook:
         self.backend = backend
         self.options = options
         self.release = ReleaseQueue.shared(cupy)
-        self.placement = Placement(cupy, options, headroom)
-        self.placement.watch = self._watch_allocations
+        self.placement = Placement(cupy, options, headroom, watch=self._watch_allocations)
         self.out_of_memory = out_of_memory_error(cupy)
         self._declare_synchronize = sync_declarer(cupy)  # read once: every export calls it
         # backend "device": a VMM pool, and NumPy <-> CuPy are copies
@@ -121,7 +114,7 @@ class CupyHook:
         if pool is None:
             upstream = UnifiedUpstream(cupy, arena, backend.name, self.release, self.out_of_memory,
                                        spill=backend.spills_to_device, device=self.device,
-                                       arena_for=arena_for)
+                                       arena_for=arena_for, on_free=self.placement.on_block_freed)
             pool = upstream.pool = cupy.cuda.MemoryPool(upstream)
         self.pool = pool
         self._patches = None
@@ -464,8 +457,8 @@ class CupyHook:
 
     def uninstall(self):
         cupy = self.cupy
-        self.placement.close()
         cupy.cuda.set_allocator(self._saved_allocator)
+        self.placement.close()
         self._patches.restore()
         # Not self.synchronize(): disable() must not fail half-way under
         # cupyx.allow_synchronize(False).
@@ -477,7 +470,7 @@ class CupyHook:
 
 def advice_code(name: str) -> int:
     try:
-        return _ADVICE[name]
+        return _core.ADVICE[name]
     except KeyError:
         raise ValueError(f"unknown advice {name!r}; choose one of "
-                         + ", ".join(repr(a) for a in _ADVICE)) from None
+                         + ", ".join(repr(a) for a in _core.ADVICE)) from None

@@ -29,22 +29,24 @@ headroom is not made.
 
 **Results the host reads back** (CuPy's own blocks, not handed over by
 NumPy): CuPy's blocks live on the GPU. When the host's wait at an export of
-one (the GPU time since its last export) exceeds moving it one way, the GPU
-paid for more than its own work: typically the host read the block whole
-and the GPU's next write faulted it back. ump then maps it for the GPU in
-host memory (advice: preferred location host, accessed by the device), as
-NumPy's blocks are: the GPU writes it over the link and the host reads it
-in place. The next export decides: if its wait is not under half of the one
-that started this, the block goes back to the GPU for good. While a block is
-host-resident ump watches CuPy's allocations: CuPy's pool handing its memory
-to another array, or the same array living longer than the loop's lives
-did, puts it back on the GPU (GPU work on host-resident pages crosses the
-link on every pass).
+an array covering most of its block exceeds moving the block one way, and
+the block was exported before, the GPU paid for more than its own work:
+typically the host read the block whole and the GPU's next write faulted it
+back. ump then maps the block for the GPU in host memory (advice: preferred
+location host, accessed by the device), as NumPy's blocks are: the GPU
+writes it over the link and the host reads it in place. Every later export
+checks: a wait not under half of the one that started this sends the block
+back to the GPU for good. While a block is host-mapped, ump watches CuPy's
+allocations: CuPy's pool handing its memory to another array, or the same
+array living twice as long as the loop's lives did, puts it back on the GPU
+(GPU work on host pages crosses the link on every pass), and so does the
+block's return to the arena.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 from . import _core
@@ -63,10 +65,6 @@ ONE_WAY_SECONDS_PER_BYTE = 0.022 / 2**30
 
 #: Blocks whose state is kept; past it the table starts over.
 MAX_BLOCKS = 4096
-
-# cuMemAdvise codes (cuda.h)
-_PREFERRED_LOCATION, _UNSET_PREFERRED_LOCATION = 3, 4
-_ACCESSED_BY, _UNSET_ACCESSED_BY = 5, 6
 
 
 @dataclasses.dataclass
@@ -88,32 +86,36 @@ class ResultState:
     last_wait: float | None = None  # the host's wait at its last export
     lo: int = 0                     # the array exported last: [lo, hi)
     hi: int = 0
-    device: int = -1                # host-resident: the device that maps it over the link
-    trial_wait: float = 0.0         # host-resident: the wait that made ump move it
-    reused_at: float | None = None  # host-resident: when CuPy handed the array out again
-    life: float = 0.0               # host-resident: the last such life, up to its export
-    retired: bool = False           # host-resident lost once: it stays on the GPU
+    device: int = -1                # host-mapped: the device that maps it over the link
+    trial_wait: float = 0.0         # host-mapped: the wait that made ump map it so
+    reused_at: float | None = None  # host-mapped: when CuPy handed the array out again
+    life: float = 0.0               # host-mapped: the last such life, up to its export
+    retired: bool = False           # host-mapped lost once: it stays on the GPU
 
     @property
-    def remote(self) -> bool:
+    def host_mapped(self) -> bool:
         return self.device >= 0
 
 
 class Placement:
     """The placement policy of one enabled managed backend."""
 
-    def __init__(self, cupy, options, headroom: int):
+    def __init__(self, cupy, options, headroom: int, watch=None):
         self.cupy = cupy
         self.mode = options.placement
         self.min_bytes = options.prefetch_min
         self.headroom = headroom
         self.blocks: dict[tuple[int, int], BlockState] = {}
         self.results: dict[tuple[int, int], ResultState] = {}
-        self.remote: dict[tuple[int, int], ResultState] = {}  # the results now host-resident
+        self.mapped: dict[tuple[int, int], ResultState] = {}  # the results now host-mapped
         #: Switches the watch on CuPy's allocations (:meth:`on_cupy_malloc`)
-        #: on or off; answers whether it is on. None: no watch can be had.
-        self.watch = None
+        #: on or off and answers whether it is on; None: no watch can be had.
+        self.watch = watch
         self.clock = time.perf_counter
+        # Results are exported, allocated and freed from any thread; the
+        # watch must be on whenever a block is mapped. Reentrant: a block's
+        # return to the arena can run inside a collection.
+        self._lock = threading.RLock()
 
     def state(self, base: int, size: int) -> BlockState | None:
         return self.blocks.get((base, size))
@@ -237,57 +239,72 @@ class Placement:
     def close(self) -> None:
         """Put every host-mapped result back on the GPU (``disable()``: the
         memory outlives the watch)."""
-        for key, state in list(self.remote.items()):
-            self._to_gpu_for_good(key, state)
+        with self._lock:
+            for key, state in list(self.mapped.items()):
+                self._to_gpu_for_good(key, state)
 
     def on_result_export(self, base: int, size: int, lo: int, hi: int, device: int,
                          waited: float | None) -> None:
         """The host takes ``[lo, hi)`` of CuPy's managed block ``(base,
-        size)`` after waiting ``waited`` seconds for the GPU (None: no wait)."""
+        size)`` on ``device`` after waiting ``waited`` seconds for the GPU
+        (None: no wait, as during a graph capture)."""
         if (self.mode != "auto" or size < self.min_bytes or waited is None
                 or lo != base or 2 * (hi - lo) <= size):
-            return  # only an array that is (nearly all) the block is followed
+            return  # only an array covering most of its block is followed
         key = (base, size)
-        state = self.results.get(key)
-        if state is None:
-            if len(self.results) >= MAX_BLOCKS:
-                self.results = dict(self.remote)
-            state = self.results[key] = ResultState()
-        if state.remote:
-            if state.reused_at is not None:
-                state.life, state.reused_at = self.clock() - state.reused_at, None
-            if 2 * waited >= state.trial_wait:
-                # Not faster over the link: the kernels on it do more than
-                # write it once.
-                self._to_gpu_for_good(key, state)
-        elif (not state.retired and state.last_wait is not None
-              and waited > size * ONE_WAY_SECONDS_PER_BYTE and not capturing(self.cupy)):
-            self._to_host_mapped(key, state, device, waited)
-        state.last_wait, state.lo, state.hi = waited, lo, hi
-        self._check_lives()
+        with self._lock:
+            state = self.results.get(key)
+            if state is None:
+                if len(self.results) >= MAX_BLOCKS:
+                    self.results = dict(self.mapped)
+                state = self.results[key] = ResultState()
+            if state.host_mapped:
+                if state.reused_at is not None:
+                    state.life, state.reused_at = self.clock() - state.reused_at, None
+                if 2 * waited >= state.trial_wait:
+                    # Not faster over the link: the kernels on it do more
+                    # than write it once.
+                    self._to_gpu_for_good(key, state)
+            elif (not state.retired and state.last_wait is not None
+                  and waited > size * ONE_WAY_SECONDS_PER_BYTE):
+                self._to_host_mapped(key, state, device, waited)
+            state.last_wait, state.lo, state.hi = waited, lo, hi
+            self._check_lives()
 
     def on_cupy_malloc(self, ptr: int, size: int) -> None:
         """CuPy's pool handed out ``[ptr, ptr + size)`` (only while the
-        watch is on): a host-resident block that another array now uses
-        goes back to the GPU."""
-        now = self.clock()
-        for key, state in list(self.remote.items()):
-            base, bsize = key
-            if ptr < base + bsize and base < ptr + size:
-                if ptr == state.lo and size >= state.hi - state.lo:
-                    state.reused_at = now  # the same array again: the loop goes on
-                else:
+        watch is on): a host-mapped block that another array now uses goes
+        back to the GPU."""
+        if capturing(self.cupy):
+            return  # no move now (it would invalidate the capture); the next allocation decides
+        with self._lock:
+            now = self.clock()
+            for key, state in list(self.mapped.items()):
+                base, bsize = key
+                if ptr < base + bsize and base < ptr + size:
+                    if ptr == state.lo and size >= state.hi - state.lo:
+                        state.reused_at = now  # the same array again: the loop goes on
+                    else:
+                        self._to_gpu_for_good(key, state)
+            self._check_lives(now)
+
+    def on_block_freed(self, base: int) -> None:
+        """CuPy's pool gave the block at ``base`` back to the arena: the
+        arena may hand that memory to any array next."""
+        with self._lock:
+            for key in [k for k in self.results if k[0] == base]:
+                state = self.results.pop(key)
+                if state.host_mapped:
                     self._to_gpu_for_good(key, state)
-        self._check_lives(now)
 
     def _check_lives(self, now: float | None = None) -> None:
-        """Put back on the GPU a host-resident array that has lived twice as
+        """Put back on the GPU a host-mapped array that has lived twice as
         long as the loop's lives did (or the life that started it): its
         kernels are not the loop's."""
-        if not self.remote:
+        if not self.mapped:
             return
         now = self.clock() if now is None else now
-        for key, state in list(self.remote.items()):
+        for key, state in list(self.mapped.items()):
             if (state.reused_at is not None
                     and now - state.reused_at > 2 * max(state.life, state.trial_wait)):
                 self._to_gpu_for_good(key, state)
@@ -296,23 +313,32 @@ class Placement:
         if self.watch is None or not self.watch(True):
             return  # without the watch a later array in this memory would run over the link
         base, size = key
-        _core.advise(base, size, _PREFERRED_LOCATION, -1)
-        _core.advise(base, size, _ACCESSED_BY, device)
         state.device, state.trial_wait, state.reused_at = device, waited, None
-        self.remote[key] = state
+        self.mapped[key] = state
+        try:
+            _core.advise(base, size, _core.ADVICE["preferred_location"], -1)
+            _core.advise(base, size, _core.ADVICE["accessed_by"], device)
+        except UmpError:
+            self._to_gpu_for_good(key, state)  # the export itself must not fail over a placement
 
     def _to_gpu_for_good(self, key, state: ResultState) -> None:
-        """Undo the advice and move the pages to the GPU: its mappings of
-        host pages outlive the advice until the pages move."""
+        """Undo the advice and move the pages to the block's GPU: its
+        mappings of host pages outlive the advice until the pages move."""
+        if self.mapped.pop(key, None) is None:
+            return
         base, size = key
         device, state.device, state.retired, state.reused_at = state.device, -1, True, None
-        del self.remote[key]
-        if not self.remote and self.watch is not None:
+        if not self.mapped and self.watch is not None:
             self.watch(False)
+        cuda = self.cupy.cuda
         try:
-            _core.advise(base, size, _UNSET_PREFERRED_LOCATION, -1)
-            _core.advise(base, size, _UNSET_ACCESSED_BY, device)
-            if self._fits(size) and not capturing(self.cupy):
-                _core.prefetch(base, size, device, self.cupy.cuda.get_current_stream().ptr)
-        except UmpError:
-            pass  # ump gave the chunk back to the driver (trim): nothing is mapped there now
+            with cuda.Device(device):
+                _core.advise(base, size, _core.ADVICE["unset_preferred_location"], -1)
+                _core.advise(base, size, _core.ADVICE["unset_accessed_by"], device)
+                if self._fits(size) and not capturing(self.cupy):
+                    _core.prefetch(base, size, device, cuda.get_current_stream().ptr)
+        except RuntimeError:
+            # UmpError or CuPy's CUDARuntimeError: the allocation or export
+            # that got here must not fail over a placement; the block stays
+            # where it is.
+            pass
