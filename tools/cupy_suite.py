@@ -220,8 +220,16 @@ def _start(tests, out, name, env, plugin, args):
     log = out / f"cupy-suite-{name}.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, f"--junitxml={xml}", *args]
     f = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=tests, env=env, stdout=f, stderr=subprocess.STDOUT)
+    # SIGINT as the default in the side, whatever this process inherited: a
+    # Python started with it ignored (nohup, a background job) ignores the
+    # interrupt that _finish sends, and its interrupted test would run on.
+    proc = subprocess.Popen(cmd, cwd=tests, env=env, stdout=f, stderr=subprocess.STDOUT,
+                            preexec_fn=_default_sigint)
     return proc, f, xml, log, time.monotonic()
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _finish(name, proc, f, xml, log, started, limit):
