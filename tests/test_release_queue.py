@@ -129,3 +129,23 @@ def test_a_drain_while_a_graph_is_captured_waits_for_nothing_and_keeps_the_array
     graph.capturing = False
     queue.drain()
     assert ("sync",) in log and len(queue) == 0
+
+
+@pytest.mark.parametrize("on_free", [None, "tells", "raises"])
+def test_a_block_the_pool_gives_back_is_waited_for_then_freed_whatever_the_placement_does(
+        monkeypatch, on_free):
+    from ump import _cupy_alloc
+
+    log = []
+
+    def told(ptr):
+        log.append(("on_free", ptr))
+        if on_free == "raises":
+            raise TypeError("a placement bug")
+
+    monkeypatch.setattr(_cupy_alloc._core, "_arena_free", lambda ptr: log.append(("free", ptr)))
+    runtime = types.SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",)))
+    chunk = _cupy_alloc._Chunk(0x1000, runtime, None if on_free is None else told)
+    del chunk
+    told_first = [] if on_free is None else [("on_free", 0x1000)]
+    assert log == told_first + [("sync",), ("free", 0x1000)]

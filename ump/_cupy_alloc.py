@@ -237,9 +237,12 @@ class _Chunk:
         # CuPy's pool lets go of a block only in free_all_blocks(), and
         # assumes the free synchronises like cudaFree: a kernel may still
         # use it, and NumPy could be handed the block next.
-        try:
-            if self.on_free is not None:
+        if self.on_free is not None:
+            try:
                 self.on_free(self.ptr)  # the placement undoes its advice while the block is live
+            except Exception:
+                pass  # whatever it met, the wait and the free below must happen
+        try:
             self.runtime.deviceSynchronize()
         except Exception:
             pass
