@@ -400,6 +400,50 @@ def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_ca
     assert float(keep.sum()) == 2.0 * keep.size
 
 
+@pytest.mark.serial
+def test_a_host_mapped_result_is_read_only_after_a_non_default_stream_wrote_it(gpu_caps):
+    """A result host-mapped by the placement, written again and again on a
+    non-blocking stream and read at once from the default stream: each read
+    sees the whole write, first while the GPU writes over the link, then
+    across the move back to the GPU that a spinning writer brings about."""
+    from ump import backends
+
+    if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
+        pytest.skip("needs the managed backend")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    n = 64 << 20  # 256 MiB of float32
+    cupy.random.random(8, dtype=cupy.float32)
+    g, block, mapped = _results_loop(cupy, n, 3)
+    assert mapped[-1]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    still_mapped = []
+    for k in range(1, 21):
+        g = None
+        g = cupy.empty(n, dtype=cupy.float32)  # CuPy's pool hands the same block out again
+        with stream:
+            g.fill(k)  # 256 MiB over the link: ~5 ms
+        b = cupy.asnumpy(g)  # at once, on the default stream
+        assert b[0] == k and b[-1] == k and (b[::1024] == k).all(), f"round {k}: read before the write ended"
+        still_mapped.append(block in placement.mapped)
+        del b
+    assert all(still_mapped), still_mapped
+    _spin(cupy)  # compiled before the rounds
+    for k in range(1, 4):
+        g = None
+        g = cupy.empty(n // 2, dtype=cupy.float64)  # the same bytes: the same block
+        with stream:
+            g.fill(k)
+            _launch_spin(cupy, g, cycles=2_000_000)  # ~0.1 s in all, then x * 2 + 1
+        b = cupy.asnumpy(g)
+        assert b[0] == 2 * k + 1 and b[-1] == 2 * k + 1 and (b[::512] == 2 * k + 1).all(), \
+            f"spinning round {k}: read before the kernel finished"
+        del b
+    assert block not in placement.mapped and placement.results[block].retired  # moved back on the way
+
+
 def test_disable_restores_cupy(gpu_backend):
     name, cupy = gpu_backend
     a = np.arange(10.0)
