@@ -264,6 +264,46 @@ def test_suites_with_their_own_configurations_run_once(monkeypatch):
     assert set(report["results"]["np.empty 64B"]) == {"suite", "stock"}
 
 
+# --- the moves suite --------------------------------------------------------------
+
+def test_moves_is_a_gpu_suite_run_once_per_run():
+    assert "moves" in bench.GPU_SUITES and "moves" not in bench.CPU_SUITES
+    assert "moves" in cases.CONFIG_FREE  # it makes its own managed buffers
+
+
+@pytest.mark.parametrize("count, threads", [(1, 8), (7, 8), (1 << 16, 8), (1001, 3)])
+def test_the_threaded_copy_copies_every_element(count, threads):
+    import numpy as np
+
+    src = np.arange(1, count + 1, dtype=np.float32)
+    dst = np.zeros_like(src)
+    cases._threaded_copy(dst, src, threads)
+    assert np.array_equal(dst, src)
+
+
+@pytest.mark.gpu
+def test_moves_time_each_way_and_check_what_arrives(gpu_caps):
+    """On the GPU, in smoke size: every way is timed, per GiB, and its checks
+    of the pages that arrive passed (else the suite raises). The ways that
+    discard managed pages run wherever the driver and cuda-bindings are CUDA 13."""
+    from cuda.bindings import driver
+
+    from ump._cupy_compat import import_cupy
+
+    import_cupy()
+    out = cases.moves(True)
+    assert list(out) == list(cases.MOVES_CASES)
+    if not gpu_caps.devices[0].concurrent_managed_access:
+        assert all("no concurrent managed access" in e["skipped"] for e in out.values())
+        return
+    can_discard = (hasattr(driver, "cuMemDiscardAndPrefetchBatchAsync")
+                   and driver.cuDriverGetVersion()[1] >= 13000)
+    timed = cases.MOVES_CASES if can_discard else cases.MOVES_CASES[:3]
+    for case in timed:
+        entry = out[case]
+        assert "skipped" not in entry, (case, entry)
+        assert len(entry["cpu"]) == 2 and min(entry["cpu"]) > 0 and entry["metrics"]["ms per GiB"] > 0
+
 # --- the workflows, with NumPy standing in for CuPy ----------------------------
 
 def _numpy_as_cupy():

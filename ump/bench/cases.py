@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def _wall(fn, repeat, setup=None):
@@ -220,6 +221,163 @@ def workflows(smoke):
     }
 
 
+# --- moves: managed memory between the host and the GPU, each way ------------
+# The figures the placement rules stand on (docs/backends.md), per GiB. Every
+# repeat takes a fresh managed buffer and puts it where the move starts,
+# untimed: filled by the host for a move to the GPU, then written by a kernel
+# for a move back. Discarding managed pages needs CUDA 13 and a stream other
+# than the legacy default one.
+
+MOVES_CASES = ("managed 1GiB to the GPU: prefetch",
+               "managed 1GiB to the host: prefetch",
+               "managed 1GiB, GPU-resident, into pinned memory: DMA (no move)",
+               "managed 1GiB to the host: host pages alone (discard, prefetch to the host)",
+               "managed 1GiB to the host: DMA into pinned memory, discard, prefetch, 8-thread copy",
+               "managed 1GiB to the host: DMA into pinned memory, discard, 8-thread copy (host faults)")
+
+
+def _threaded_copy(dst, src, threads=8):
+    import threading
+
+    bounds = np.linspace(0, dst.shape[0], threads + 1).astype(np.int64)
+    workers = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b]))
+               for a, b in zip(bounds[:-1], bounds[1:])]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+class _Moves:
+    """Fresh managed buffers of ``size`` bytes on GPU 0, and the moves."""
+
+    def __init__(self, cupy, size):
+        from .. import _core
+
+        self.cupy, self.rt, self.core, self.size, self.n = cupy, cupy.cuda.runtime, _core, size, size // 4
+        _core.cuda_load()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.staging = cupy.cuda.alloc_pinned_memory(size)
+        self.pinned = np.frombuffer(self.staging, np.float32, self.n)
+
+    def fresh(self, gpu_written):
+        """(pointer, host view, GPU view): 1.0 filled by the host, then 2.0
+        written by a kernel where ``gpu_written``."""
+        import ctypes
+
+        cupy = self.cupy
+        p = self.rt.mallocManaged(self.size, 1)  # cudaMemAttachGlobal
+        host = np.ctypeslib.as_array((ctypes.c_float * self.n).from_address(p))
+        gpu = cupy.ndarray((self.n,), cupy.float32,
+                           cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(p, self.size, None), 0))
+        host[:] = 1.0
+        if gpu_written:
+            self.core.prefetch(p, self.size, 0, self.stream.ptr)
+            with self.stream:
+                gpu += 1.0
+        self.stream.synchronize()
+        return p, host, gpu
+
+    def discard(self, p, prefetch_to_host):
+        """Drop the managed pages' contents (cuMemDiscardBatchAsync), and
+        make host pages for them where ``prefetch_to_host``."""
+        from cuda.bindings import driver
+
+        name = "cuMemDiscardAndPrefetchBatchAsync" if prefetch_to_host else "cuMemDiscardBatchAsync"
+        call = getattr(driver, name, None)
+        if call is None:
+            raise NotImplementedError(f"cuda-bindings has no {name} (CUDA 13)")
+        ranges = ([driver.CUdeviceptr(p)], [self.size], 1)
+        if prefetch_to_host:
+            host = driver.CUmemLocation()
+            host.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+            err, = call(*ranges, [host], [0], 1, 0, driver.CUstream(self.stream.ptr))
+        else:
+            err, = call(*ranges, 0, driver.CUstream(self.stream.ptr))
+        if err in (driver.CUresult.CUDA_ERROR_NOT_FOUND, driver.CUresult.CUDA_ERROR_NOT_SUPPORTED):
+            raise NotImplementedError(f"{name}: {err.name} (needs a CUDA 13 driver)")
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{name} of {self.size} bytes at {p:#x}: {err.name}")
+
+    def time(self, gpu_written, move, check, repeat):
+        times = []
+        for _ in range(repeat):
+            p, host, gpu = self.fresh(gpu_written)
+            try:
+                t0 = time.perf_counter()
+                move(p, host)
+                self.stream.synchronize()
+                times.append((time.perf_counter() - t0) * 1e6)
+                check(host, gpu)
+            finally:
+                del gpu
+                self.rt.free(p)
+        return {"cpu": times, "gpu": [],
+                "metrics": {"ms per GiB": statistics.median(times) / 1e3 * GiB / self.size}}
+
+
+def moves(smoke):
+    import cupy
+
+    from .._probe import probe
+
+    rt = cupy.cuda.runtime
+    size = 64 * MiB if smoke else GiB
+    why = None
+    if not probe().devices[0].concurrent_managed_access:
+        why = "GPU 0 has no concurrent managed access: managed memory does not move by prefetch"
+    elif 2 * size > _spare(cupy, 0):
+        why = "too little free memory on GPU 0"
+    if why:
+        return {case: {"skipped": why} for case in MOVES_CASES}
+    m, repeat = _Moves(cupy, size), 2 if smoke else 5
+    every_page = slice(None, None, 1024)  # one float32 in each 4 KiB page
+
+    def reads(view, value):
+        def check(host, gpu):
+            got = view(host, gpu)[every_page]
+            if not bool((got == value).all()):
+                raise AssertionError(f"a page read {float(got.min())}..{float(got.max())}, not {value}")
+        return check
+
+    def dma(p, host):
+        rt.memcpyAsync(m.staging.ptr, p, m.size, rt.memcpyDefault, m.stream.ptr)
+
+    def back_by_copy(prefetch_to_host):
+        def move(p, host):
+            dma(p, host)
+            m.discard(p, prefetch_to_host)
+            m.stream.synchronize()
+            _threaded_copy(host, m.pinned)
+        return move
+
+    def host_pages(p, host):
+        m.discard(p, prefetch_to_host=True)
+
+    def written_after(host, gpu):  # the contents are gone: the pages take the host's writes
+        host[every_page] = 3.0
+        reads(lambda h, g: h, 3.0)(host, gpu)
+
+    try:
+        out = {
+            MOVES_CASES[0]: m.time(False, lambda p, h: m.core.prefetch(p, m.size, 0, m.stream.ptr),
+                                   reads(lambda h, g: g, 1.0), repeat),
+            MOVES_CASES[1]: m.time(True, lambda p, h: m.core.prefetch(p, m.size, -1, m.stream.ptr),
+                                   reads(lambda h, g: h, 2.0), repeat),
+            MOVES_CASES[2]: m.time(True, dma, reads(lambda h, g: m.pinned, 2.0), repeat),
+        }
+        try:
+            out[MOVES_CASES[3]] = m.time(True, host_pages, written_after, repeat)
+            out[MOVES_CASES[4]] = m.time(True, back_by_copy(True), reads(lambda h, g: h, 2.0), repeat)
+            out[MOVES_CASES[5]] = m.time(True, back_by_copy(False), reads(lambda h, g: h, 2.0), repeat)
+        except NotImplementedError as e:
+            out.update({case: {"skipped": str(e)} for case in MOVES_CASES[3:]})
+    finally:
+        del m.pinned, m.staging
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    return out
+
+
 # --- pools: ump's VMM pool against CuPy's MemoryPool and cudaMallocAsync ----
 # These cases build their own pools, so they do not depend on the
 # configuration; the runner runs them in the "stock" process only.
@@ -367,8 +525,6 @@ def pools(smoke):
 # Between processes (export, import, map), at two addresses (a ring read
 # across its wrap), over two GPUs (striped). Configuration-free, as pools.
 # A case that cannot run here is returned as {"skipped": reason}.
-
-GiB = 1 << 30
 
 
 def _spare(cupy, device) -> int:
@@ -701,9 +857,9 @@ def dask_workflow(smoke):
 
 CPU_SUITES = {"alloc_numpy": alloc_numpy}
 GPU_SUITES = {"alloc_cupy": alloc_cupy, "dispatch": dispatch, "interop": interop,
-              "workflows": workflows, "pools": pools, "vmm": vmm, "dask": dask_workflow}
+              "workflows": workflows, "moves": moves, "pools": pools, "vmm": vmm, "dask": dask_workflow}
 #: Suites whose cases do not depend on the configuration: run once, in "stock".
-CONFIG_FREE = {"pools", "vmm", "dask"}
+CONFIG_FREE = {"moves", "pools", "vmm", "dask"}
 #: Suites that need a package beyond CuPy: suite -> (module, how to install it).
 NEEDS = {"dask": ("distributed", "pip install ump[dask]")}
 #: Suites a run of every suite leaves out, and why.
