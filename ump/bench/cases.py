@@ -299,7 +299,7 @@ class _Moves:
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"{name} of {self.size} bytes at {p:#x}: {err.name}")
 
-    def time(self, gpu_written, move, check, repeat):
+    def timed(self, gpu_written, move, check, repeat):
         times = []
         for _ in range(repeat):
             p, host, gpu = self.fresh(gpu_written)
@@ -360,16 +360,16 @@ def moves(smoke):
 
     try:
         out = {
-            MOVES_CASES[0]: m.time(False, lambda p, h: m.core.prefetch(p, m.size, 0, m.stream.ptr),
+            MOVES_CASES[0]: m.timed(False, lambda p, h: m.core.prefetch(p, m.size, 0, m.stream.ptr),
                                    reads(lambda h, g: g, 1.0), repeat),
-            MOVES_CASES[1]: m.time(True, lambda p, h: m.core.prefetch(p, m.size, -1, m.stream.ptr),
+            MOVES_CASES[1]: m.timed(True, lambda p, h: m.core.prefetch(p, m.size, -1, m.stream.ptr),
                                    reads(lambda h, g: h, 2.0), repeat),
-            MOVES_CASES[2]: m.time(True, dma, reads(lambda h, g: m.pinned, 2.0), repeat),
+            MOVES_CASES[2]: m.timed(True, dma, reads(lambda h, g: m.pinned, 2.0), repeat),
         }
         try:
-            out[MOVES_CASES[3]] = m.time(True, host_pages, written_after, repeat)
-            out[MOVES_CASES[4]] = m.time(True, back_by_copy(True), reads(lambda h, g: h, 2.0), repeat)
-            out[MOVES_CASES[5]] = m.time(True, back_by_copy(False), reads(lambda h, g: h, 2.0), repeat)
+            out[MOVES_CASES[3]] = m.timed(True, host_pages, written_after, repeat)
+            out[MOVES_CASES[4]] = m.timed(True, back_by_copy(True), reads(lambda h, g: h, 2.0), repeat)
+            out[MOVES_CASES[5]] = m.timed(True, back_by_copy(False), reads(lambda h, g: h, 2.0), repeat)
         except NotImplementedError as e:
             out.update({case: {"skipped": str(e)} for case in MOVES_CASES[3:]})
     finally:
