@@ -295,6 +295,38 @@ def test_placement_auto_migrates_blocks_the_gpu_works_on(gpu_caps):
 
 
 @pytest.mark.serial
+def test_placement_auto_puts_a_heavy_block_back_on_the_host_when_its_work_shrinks(gpu_caps):
+    """Ten kernels per round trip make a 256 MiB block heavy; while they go
+    on it stays heavy; a round trip of one kernel makes it host-resident
+    again, and every read sees every kernel."""
+    from ump import backends
+
+    if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
+        pytest.skip("needs the managed backend")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    a = np.zeros(64 << 20, dtype=np.float32)  # 256 MiB: ten kernels ~64 ms over the link, ~3 ms in HBM
+    _, base, size = ump._core.lookup(a.ctypes.data)
+    warm = cupy.ones(8, dtype=np.float32)
+    warm += 1  # compiled before anything is timed
+    done, heavy, on_gpu = 0, [], []
+    for kernels in (10, 10, 10, 1, 1):
+        g = cupy.asarray(a)
+        on_gpu.append(placement.state(base, size).on_gpu)
+        for _ in range(kernels):
+            g += 1
+        done += kernels
+        b = cupy.asnumpy(g)
+        assert b.ctypes.data == a.ctypes.data and b[::1024].sum() == done * (b.size // 1024)
+        heavy.append(placement.state(base, size).heavy)
+    assert heavy == [True, True, True, False, False]
+    assert on_gpu == [None, 0, 0, 0, None]  # migrated while heavy, then left on the host
+    assert a.sum(dtype=np.float64) == done * a.size
+
+
+@pytest.mark.serial
 def test_placement_auto_keeps_a_peeked_block_on_the_gpu(gpu_caps):
     """Handed to CuPy once, then steps of two memory-bound kernels and a
     host export of which the host reads 4 KiB: from the second export the

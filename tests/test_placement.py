@@ -105,6 +105,58 @@ def test_round_trips_learn_to_migrate_once_the_gpu_time_beats_a_migration(moves)
     assert moves == [(GiB, 0), (GiB, -1)] and cupy.stream_waits == 1
 
 
+def _heavy(policy, cupy, size):
+    """Make the block at BASE heavy: a round trip of ten kernels over the link."""
+    policy.on_handoff("managed", BASE, size)
+    _step(policy, cupy, size, 0.26 * size / GiB)
+    assert policy.state(BASE, size).heavy
+
+
+def test_a_heavy_block_whose_work_shrinks_is_host_resident_again(moves):
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    _heavy(policy, cupy, GiB)
+    for _ in range(2):  # ten kernels in HBM: over the link they would cost 0.26 s
+        policy.on_handoff("managed", BASE, GiB)
+        _step(policy, cupy, GiB, 0.0128)
+    assert policy.state(BASE, GiB).heavy and moves == [(GiB, 0), (GiB, -1)] * 2
+    policy.on_handoff("managed", BASE, GiB)
+    _step(policy, cupy, GiB, 0.0013)  # one kernel: 26 ms over the link, under half a migration
+    assert not policy.state(BASE, GiB).heavy and moves == [(GiB, 0), (GiB, -1)] * 3
+    policy.on_handoff("managed", BASE, GiB)  # the next round trip stays on the host
+    _step(policy, cupy, GiB, 0.026)
+    assert moves == [(GiB, 0), (GiB, -1)] * 3 and not policy.state(BASE, GiB).heavy
+    policy.on_handoff("managed", BASE, GiB)  # and the work grows again: heavy again
+    _step(policy, cupy, GiB, 0.26)
+    policy.on_handoff("managed", BASE, GiB)
+    assert policy.state(BASE, GiB).heavy and moves == [(GiB, 0), (GiB, -1)] * 3 + [(GiB, 0)]
+
+
+def test_a_heavy_block_is_timed_from_the_end_of_its_migration(moves, monkeypatch):
+    """The prefetch to the GPU is not the block's work: on the GPU's clock it
+    runs before the event the export measures from."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    _heavy(policy, cupy, GiB)
+    monkeypatch.setattr(_placement._core, "prefetch",
+                        lambda base, size, device, stream: (moves.append((size, device)), cupy.work(0.022)))
+    policy.on_handoff("managed", BASE, GiB)
+    _step(policy, cupy, GiB, 0.0013)
+    assert not policy.state(BASE, GiB).heavy
+
+
+def test_gpu_idle_time_keeps_a_heavy_block_heavy(moves):
+    """Time on the GPU's clock not capped by the host's wait: a host that
+    compiled or dispatched between the hand-off and the export overstates
+    the work, and the block stays as it was."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    _heavy(policy, cupy, GiB)
+    policy.on_handoff("managed", BASE, GiB)
+    _step(policy, cupy, GiB, 0.1, waited=0.0013)
+    assert policy.state(BASE, GiB).heavy
+
+
 def test_gpu_time_counts_no_more_than_the_host_waited(moves):
     cupy = FakeCupy()
     policy = _policy(cupy)

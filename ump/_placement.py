@@ -13,7 +13,11 @@ reallocates the same array learns too:
   or dispatches, and work that ran while the host was busy cost nothing).
   Once that exceeds migrating the block there and back, the block is
   *heavy*: later hand-offs migrate it and exports bring it back (a
-  ski-rental rule).
+  ski-rental rule). A heavy block's round trip is timed too, from the end
+  of the migration: when its kernels took so little that even over the
+  link, at the slowdown of a memory-bound kernel, they would have cost
+  under half a migration there and back, the work has shrunk and the block
+  is host-resident again until it earns the migration anew.
 - **Peek loops** (the block stays with CuPy; exports follow one another with
   no hand-off between, the host reading a little each time): from the second
   export on, when the GPU time between two exports exceeds migrating the
@@ -53,7 +57,7 @@ from . import _core
 from ._cupy_compat import capturing
 from ._errors import UmpError
 
-__all__ = ["Placement", "MIGRATION_SECONDS_PER_BYTE", "ONE_WAY_SECONDS_PER_BYTE"]
+__all__ = ["Placement", "MIGRATION_SECONDS_PER_BYTE", "ONE_WAY_SECONDS_PER_BYTE", "LINK_OVER_HBM"]
 
 #: What migrating managed memory to the GPU and back costs, per byte: 21 ms
 #: there and 109 ms back per GiB, measured in the round-trip workflow on an
@@ -62,6 +66,12 @@ MIGRATION_SECONDS_PER_BYTE = 0.130 / 2**30
 #: What migrating it to the GPU costs, per byte: a prefetch alone, 22 ms per
 #: GiB on the same H200 (docs/backends.md, "How fast managed memory moves").
 ONE_WAY_SECONDS_PER_BYTE = 0.022 / 2**30
+
+#: How many times longer a memory-bound kernel takes over the link than in
+#: HBM: 25.5 against 1.3 ms per GiB on the same H200 (docs/backends.md). A
+#: kernel bound by compute loses less, so scaling GPU time by this ratio
+#: overstates what the host-resident block would cost.
+LINK_OVER_HBM = 20
 
 #: Blocks whose state is kept; past it the table starts over.
 MAX_BLOCKS = 4096
@@ -164,7 +174,16 @@ class Placement:
             # written it since (or freed and allocated it again), which
             # brings pages back.
             self._to_gpu(state, base, size, cuda.get_current_stream())
-        elif state.start is None:
+            if state.heavy and not state.peeked and state.on_gpu is not None:
+                self._start(state)  # after the prefetch: the kernels alone are timed
+        else:
+            self._start(state)
+
+    def _start(self, state: BlockState) -> None:
+        """Record the event the next export measures from, on the current
+        stream (the first hand-off since the last export counts)."""
+        if state.start is None:
+            cuda = self.cupy.cuda
             state.start = cuda.Event()
             state.start.record()
             state.start_device = cuda.runtime.getDevice()
@@ -180,6 +199,9 @@ class Placement:
             return
         stream = self.cupy.cuda.get_current_stream()
         state.exports += 1
+        if state.on_gpu is not None and state.start is not None:
+            # A heavy block's round trip on the GPU, timed from the migration's end.
+            self._reconsider_heavy(state, size, self._elapsed(state, stream, waited))
         seconds = self._gpu_seconds(state, stream, waited)
         if state.on_gpu is None:
             self._learn_host_resident(state, base, size, stream, seconds)
@@ -194,6 +216,12 @@ class Placement:
         or the last export (the host's wait alone)."""
         if state.start is None:
             return waited
+        elapsed = self._elapsed(state, stream, waited)
+        return None if elapsed is None else min(elapsed, waited)
+
+    def _elapsed(self, state: BlockState, stream, waited: float | None) -> float | None:
+        """Seconds on the GPU's clock from the hand-off's event to now, which
+        uses the event up."""
         cuda = self.cupy.cuda
         start, state.start = state.start, None
         # A measurement needs the host's wait (a non-blocking get() has
@@ -203,7 +231,16 @@ class Placement:
         end = cuda.Event()
         end.record(stream)
         end.synchronize()
-        return min(cuda.get_elapsed_time(start, end) / 1e3, waited)
+        return cuda.get_elapsed_time(start, end) / 1e3
+
+    def _reconsider_heavy(self, state: BlockState, size: int, elapsed: float | None) -> None:
+        """A heavy block whose kernels on the GPU took so little that, over
+        the link, they would have cost under half a migration there and back
+        is host-resident from its next hand-off. The time is not capped by
+        the host's wait, unlike the one that made the block heavy: GPU idle
+        time only overstates the work, so an error keeps the block heavy."""
+        if elapsed is not None and elapsed * LINK_OVER_HBM < size * MIGRATION_SECONDS_PER_BYTE / 2:
+            state.heavy = False
 
     def _learn_host_resident(self, state: BlockState, base: int, size: int, stream,
                              seconds: float | None) -> None:
