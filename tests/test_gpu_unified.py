@@ -327,6 +327,39 @@ def test_placement_auto_puts_a_heavy_block_back_on_the_host_when_its_work_shrink
 
 
 @pytest.mark.serial
+def test_a_heavy_block_is_read_only_after_a_non_default_stream_wrote_it(gpu_caps):
+    """Kernels on a non-blocking stream over a 256 MiB block, read at once
+    from the default stream: every read sees every kernel, while the block
+    turns heavy, moves there and back on each round trip, and is
+    host-resident again once the round trips shrink to one kernel."""
+    from ump import backends
+
+    if backends.MANAGED.unavailable(gpu_caps, gpu_caps.devices[0]):
+        pytest.skip("needs the managed backend")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    a = np.zeros(64 << 20, dtype=np.float32)
+    _, base, size = ump._core.lookup(a.ctypes.data)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    done, heavy = 0, []
+    for k, kernels in enumerate([10] * 20 + [1] * 20):
+        g = cupy.asarray(a)  # on the default stream
+        with stream:
+            for _ in range(kernels):
+                g += 1
+        done += kernels
+        b = cupy.asnumpy(g)  # at once, on the default stream
+        assert b[0] == done and b[-1] == done and (b[::1024] == done).all(), \
+            f"round {k}: read before the kernels ended"
+        heavy.append(placement.state(base, size).heavy)
+        del b
+    assert all(heavy[:20]) and not any(heavy[20:]), heavy
+    assert a.sum(dtype=np.float64) == done * a.size
+
+
+@pytest.mark.serial
 def test_placement_auto_keeps_a_peeked_block_on_the_gpu(gpu_caps):
     """Handed to CuPy once, then steps of two memory-bound kernels and a
     host export of which the host reads 4 KiB: from the second export the
