@@ -6,6 +6,7 @@ cudaPointerGetAttributes names) is tests/test_gpu_startup.py's."""
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -94,6 +95,33 @@ def test_out_of_memory_while_a_graph_is_captured_keeps_the_cached_blocks():
         up(6 * MiB)
     assert up.pool.freed == 2  # outside a capture: before each retry, as CuPy's pool does
     _core._arena_free(held.ptr)
+    main.trim()
+
+
+def test_out_of_memory_names_this_threads_failure_when_another_thread_allocated_meanwhile():
+    # The arena's status is per thread: another thread's allocation between
+    # this one's failure and its error must not change the name it reports.
+    main = _core.Arena("host", _core.PROVIDER_HOST, 64 * MiB, cupy_side=True, device=10)
+    up = _upstream([0], main, None)
+    others = []
+    statistics = main.statistics
+
+    def statistics_while_another_thread_allocates():
+        _core.fault_inject(0, 0)
+        worker = threading.Thread(target=lambda: others.append(up(6 * MiB)))
+        worker.start()
+        worker.join()
+        return statistics()
+
+    main.statistics = statistics_while_another_thread_allocates
+    _core.fault_inject(0, -1)  # every provider call fails: UMP_ERR_INJECTED
+    try:
+        with pytest.raises(CupyOutOfMemory) as caught:
+            up(6 * MiB)
+    finally:
+        _core.fault_inject(0, 0)
+    assert len(others) == 1 and caught.value.cuda_error == "UMP_ERR_INJECTED"
+    _core._arena_free(others[0].ptr)
     main.trim()
 
 

@@ -98,6 +98,29 @@ def test_cupy_numpy_cupy_same_address(gpu_backend):
     assert cupy.asnumpy(g2)[100] == 101.0 and b[100] == 101.0
 
 
+def test_releasing_round_trips_of_several_arrays_does_not_hang(gpu_backend):
+    # Each host view from cupy.asnumpy holds a CuPy view that leased another
+    # NumPy array: releasing one hands the queue the next while it releases.
+    import threading
+
+    _, cupy = gpu_backend
+    xs = [np.ones(1 << 20) for _ in range(4)]
+    for i in range(len(xs)):
+        g = cupy.asarray(xs[i])
+        g *= 2
+        xs[i] = cupy.asnumpy(g)
+        g2 = cupy.asarray(xs[i])
+        g2 += 1
+        xs[i] = cupy.asnumpy(g2)
+    assert all(float(x[7]) == 3.0 for x in xs)
+    del g, g2, xs
+    for _ in range(2):
+        waiter = threading.Thread(target=ump.synchronize, daemon=True)
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive(), "ump.synchronize() hung releasing NumPy memory"
+
+
 def test_copy_true_copies(gpu_backend):
     _, cupy = gpu_backend
     a = np.ones(1000, dtype=np.int32)

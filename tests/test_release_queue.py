@@ -5,6 +5,7 @@ a device, waiting for it), which record what they were asked."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 
 import numpy as np
@@ -149,3 +150,57 @@ def test_a_block_the_pool_gives_back_is_waited_for_then_freed_whatever_the_place
     del chunk
     told_first = [] if on_free is None else [("on_free", 0x1000)]
     assert log == told_first + [("sync",), ("free", 0x1000)]
+
+
+def _round_trip(a, queue):
+    """What ``cupy.asnumpy(cupy.asarray(a))`` returns under ump: a host view
+    whose base holds the CuPy view, whose memory holds a Lease on ``a``."""
+    from ump._cupy_alloc import Lease
+    from ump._cupy_hook import _Export
+
+    return np.asarray(_Export(dict(a.__array_interface__), Lease(a, queue, 0)))
+
+
+def _finishes(target, *args, timeout=5.0):
+    worker = threading.Thread(target=target, args=args, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return not worker.is_alive()
+
+
+def test_releasing_host_views_of_round_trips_hands_the_queue_more_without_a_hang():
+    # In-place round trips: each array released frees a host view whose CuPy
+    # view had leased another NumPy array; that Lease hands it to the queue
+    # while the queue is releasing.
+    from ump._cupy_alloc import Lease
+
+    queue = ReleaseQueue(_fake_cupy([]))
+    first, second = _round_trip(np.ones(8), queue), _round_trip(np.ones(8), queue)
+    Lease(first, queue, 0), Lease(second, queue, 0)  # handed to CuPy again, then dropped
+    del first, second
+    assert len(queue) == 2
+    assert _finishes(queue.wait_for, 0), "the release deadlocked on the queue's own lock"
+    # The two arrays the host views had leased came in during the release:
+    # they wait for the next wait, which begins after they were handed over.
+    assert len(queue) == 2
+    assert _finishes(queue.wait_for, 0) and len(queue) == 0
+
+
+def test_a_view_dropped_while_the_queue_is_locked_is_queued_by_the_next_call():
+    # A collection inside any allocation can drop a CuPy view on the thread
+    # that holds the queue's lock.
+    from ump._cupy_alloc import Lease
+
+    queue = ReleaseQueue(_fake_cupy([]))
+    a = np.ones(8)
+
+    def drop_under_the_lock():
+        with queue._lock:
+            Lease(a, queue, 0)  # dropped at once: Lease.__del__ runs here
+
+    assert _finishes(drop_under_the_lock)
+    assert len(queue) == 1 and not queue._held  # handed over, not yet queued
+    mark = queue.mark()  # a wait that begins now covers it
+    assert id(a) in queue._held
+    queue.synchronized(0, mark)
+    assert len(queue) == 0

@@ -98,14 +98,37 @@ class ReleaseQueue:
         self._count = 0
         self._bytes = 0
         self._counted_at = None  # self._count at the last count of bytes only held here
+        # Arrays handed over but not yet queued. defer() runs in Lease.__del__,
+        # wherever CuPy's view dies: in a collection inside any allocation,
+        # or in this queue's own release of an array (a host view from
+        # cupy.asnumpy holds a CuPy view of another NumPy array), so on a
+        # thread that may hold the lock. It appends here, which takes no
+        # lock, and queues only when the lock is free at once.
+        self._inbox: collections.deque = collections.deque()  # (owner, device)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._pending.values())
+        return sum(len(q) for q in self._pending.values()) + len(self._inbox)
 
     def defer(self, array, device: int) -> None:
-        owner = _owner(array)  # holding it keeps the view's memory alive
-        with self._lock:
+        """Take ``array``, whose view on ``device`` CuPy dropped."""
+        self._inbox.append((_owner(array), device))  # holding it keeps the view's memory alive
+        if not self._lock.acquire(blocking=False):
+            return  # its holder, or the next call, queues it
+        try:
+            full = self._queue_inbox()
+        finally:
+            self._lock.release()
+        if full:
+            self.drain()
+
+    def _queue_inbox(self) -> bool:
+        """Queue the arrays handed over (under the lock); whether too much is pending.
+
+        An array is numbered here, not when it was handed over: a number
+        past a wait's mark only keeps it longer."""
+        while self._inbox:
+            owner, device = self._inbox.popleft()
             self._count += 1
             held = self._held.get(id(owner))
             if held is None:
@@ -114,9 +137,7 @@ class ReleaseQueue:
                 self._counted_at = None  # a new array: count again
             held[0] += 1
             self._pending.setdefault(device, collections.deque()).append((self._count, owner))
-            full = len(self) > self.MAX_PENDING or self._over_bytes()
-        if full:
-            self.drain()
+        return len(self) > self.MAX_PENDING or self._over_bytes()
 
     def _over_bytes(self) -> bool:
         """Whether the arrays only the queue holds are past the bound (under the lock)."""
@@ -130,11 +151,14 @@ class ReleaseQueue:
 
     def mark(self) -> int:
         """Call before a device-wide wait; pass the result to :meth:`synchronized`."""
-        return self._count
+        with self._lock:
+            self._queue_inbox()  # handed over before the wait: released by it
+            return self._count
 
     def synchronized(self, device: int, mark: int) -> None:
         """A wait for all of ``device``'s work begun at ``mark`` has returned:
         release what was deferred on it before."""
+        released = []  # dropped after the lock: dropping one can hand the queue another
         with self._lock:
             queue = self._pending.get(device)
             while queue and queue[0][0] <= mark:
@@ -144,6 +168,7 @@ class ReleaseQueue:
                 if not held[0]:
                     del self._held[id(owner)]
                     self._bytes -= owner.nbytes
+                    released.append(owner)
 
     def wait_for(self, device: int | None = None) -> None:
         """Wait for all of ``device``'s work (the current device's if None),
@@ -159,6 +184,7 @@ class ReleaseQueue:
         if capturing(self.cupy):
             return
         with self._lock:
+            self._queue_inbox()
             pending = [d for d, q in self._pending.items() if q]
         if pending:
             self._wait(pending, self.cupy.cuda.runtime.getDevice())
@@ -274,29 +300,29 @@ class UnifiedUpstream:
         self.release = release
         self.error_class = error_class
         self.pool = None  # set by the hook: the CuPy pool this feeds
-        self.status = 0  # the arena's last failure (ump's or CUDA's status)
 
     def _try(self, arena, device: int, size: int):
+        """(the memory or None, the arena's status: ump's or CUDA's, 0 if it allocated)."""
         cuda = self.cupy.cuda
         ptr = _core._arena_alloc(arena.id, size)
-        self.status = _core.last_status() if not ptr else 0
         if ptr:
             mem = cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cuda.runtime, self.on_free), device)
-            return cuda.memory.MemoryPointer(mem, 0)
+            return cuda.memory.MemoryPointer(mem, 0), 0
+        status = _core.last_status()  # per thread: read before anything else allocates
         if not self.spill:
-            return None
+            return None, status
         try:
-            return cuda.memory.MemoryPointer(cuda.memory.Memory(size), 0)
+            return cuda.memory.MemoryPointer(cuda.memory.Memory(size), 0), status
         except cuda.runtime.CUDARuntimeError as err:
             # cudaMalloc found no memory: the status CuPy's own pool retries on
             if err.status != CUDA_ERROR_MEMORY_ALLOCATION:
                 raise
-            return None
+            return None, status
 
     def __call__(self, size: int):
         device = self.cupy.cuda.runtime.getDevice()  # CuPy's pool asks on its own device
         arena = self.arena if device == self.device or self.arena_for is None else self.arena_for(device)
-        got = self._try(arena, device, size)
+        got, status = self._try(arena, device, size)
         if got is not None:
             return got
         # What CuPy's pool does on an allocation error, done here so the
@@ -313,7 +339,7 @@ class UnifiedUpstream:
             self.release.drain()
             if free_cached:
                 self.pool.free_all_blocks()
-            got = self._try(arena, device, size)
+            got, status = self._try(arena, device, size)
             if got is not None:
                 return got
         stats = arena.statistics()
@@ -322,4 +348,4 @@ class UnifiedUpstream:
             f"{stats.cap_bytes} bytes holds {stats.held_bytes}"
             + (" and the device has no memory left" if self.spill else "")
             + " (set the budget with ump.enable(cap=..., headroom=...))",
-            _core.error_name(self.status or _core.ERR_CAP), size, stats.held_bytes, stats.cap_bytes)
+            _core.error_name(status or _core.ERR_CAP), size, stats.held_bytes, stats.cap_bytes)
