@@ -133,6 +133,26 @@ def test_copy_true_copies(gpu_backend):
     assert h.dtype == np.float64 and float(h[3]) == 1.0
 
 
+@pytest.mark.parametrize("how", ["array", "blocking", "order"])
+def test_a_copy_cupy_makes_on_the_gpu_has_read_the_numpy_array_when_it_returns(gpu_backend, how):
+    # The copy reads the NumPy array in place, queued behind ~100 ms of other
+    # work; the host writes the array as soon as the call returns, as it may
+    # with stock CuPy, which copies from pageable memory before returning.
+    _, cupy = gpu_backend
+    for _ in range(3):
+        a = np.arange(1 << 22, dtype=np.float64)  # 32 MiB
+        _launch_spin(cupy, cupy.zeros(1, dtype=np.float64))
+        if how == "array":
+            g = cupy.array(a)  # copy=True is CuPy's default
+        elif how == "blocking":
+            g = cupy.array(a, blocking=True)
+        else:
+            g = cupy.asarray(a.reshape(2048, 2048), order="F")
+        a[:] = -1
+        assert g.data.ptr != a.ctypes.data
+        assert bool((g.ravel(order="C") == cupy.arange(1 << 22, dtype=np.float64)).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_dtypes_zero_copy(gpu_backend, dtype):
     _, cupy = gpu_backend

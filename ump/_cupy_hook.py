@@ -210,7 +210,13 @@ class CupyHook:
                         return shared  # the common case: nothing for CuPy to apply
                     # order, ndmin and copy=True are CuPy's to apply to a CuPy
                     # array: a view where it can, else a copy on the GPU.
-                    return original(shared, dtype, copy, order, subok, ndmin, blocking)
+                    out = original(shared, dtype, copy, order, subok, ndmin, blocking)
+                    if out.data.mem is not shared.data.mem and not capturing(self.cupy):
+                        # The copy reads `obj` in place, queued on the current
+                        # stream. Stock CuPy returns once it has read pageable
+                        # memory, and programs write `obj` right after.
+                        self.cupy.cuda.get_current_stream().synchronize()
+                    return out
         return original(obj, dtype, copy, order, subok, ndmin, blocking)
 
     def copy_in(self, a, order):
