@@ -27,6 +27,7 @@ class FakeCupy:
         self.stream_waits = 0
         self.device = 0  # the current device
         self.entered = []  # devices made current with `with cuda.Device(d)`
+        self.busy = set()  # streams with work still queued (None: the current one)
         fake = self
 
         class Device:
@@ -43,6 +44,11 @@ class FakeCupy:
         class Event:
             def record(self, stream=None):
                 self.at = fake.clock
+                self.stream = stream
+
+            @property
+            def done(self):
+                return self.stream not in fake.busy
 
             def synchronize(self):
                 pass
@@ -58,7 +64,13 @@ class FakeCupy:
                                         streamIsCapturing=lambda ptr: fake.capturing)
         self.cuda = types.SimpleNamespace(
             Event=Event, Device=Device, runtime=runtime, get_current_stream=lambda: Stream(),
-            get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3)
+            get_elapsed_time=self._elapsed_time)
+
+    @staticmethod
+    def _elapsed_time(start, end):
+        if not (start.done and end.done):
+            raise RuntimeError("cudaErrorNotReady")  # as CuPy raises it
+        return (end.at - start.at) * 1e3
 
     def work(self, seconds):
         self.clock += seconds
@@ -502,3 +514,72 @@ def test_a_cuda_error_while_moving_back_does_not_fail_the_allocation(advice, mon
     _result(policy, now, GiB, 0.1)
     policy.on_cupy_malloc(BASE, 64 * MiB)
     assert advice[2:] == UNSET and not policy.mapped and not policy.watch.on
+
+
+def test_an_export_that_waited_for_another_stream_than_the_hand_offs_measures_nothing(moves):
+    # sync="stream": the host waited for the export's stream; the stream of
+    # the hand-off still has work queued, so its event has not completed.
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, GiB)  # its event on the current stream
+    cupy.work(0.26)
+    cupy.busy.add(None)
+    other = types.SimpleNamespace(ptr=99, synchronize=lambda: None)
+    policy.on_host_export("managed", BASE, GiB, 0.26, other)
+    assert not policy.state(BASE, GiB).heavy and moves == []
+    cupy.busy.clear()
+    policy.on_handoff("managed", BASE, GiB)  # measured as usual once the stream is idle
+    _step(policy, cupy, GiB, 0.26)
+    assert policy.state(BASE, GiB).heavy
+
+
+def test_an_export_while_a_graph_is_captured_records_and_moves_nothing(moves):
+    # get(stream=other) with sync="stream" is allowed while the current
+    # stream captures: an event recorded on it, or a wait, would break it.
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    _heavy(policy, cupy, GiB)
+    policy.on_handoff("managed", BASE, GiB)
+    assert moves == [(GiB, 0)]
+    cupy.capturing = True
+    cupy.work(0.05)
+    policy.on_host_export("managed", BASE, GiB, 0.05)
+    state = policy.state(BASE, GiB)
+    assert moves == [(GiB, 0)] and cupy.stream_waits == 0 and state.exports == 0
+    cupy.capturing = False
+    policy.on_host_export("managed", BASE, GiB, 0.05)  # after the capture: back as usual
+    assert moves == [(GiB, 0), (GiB, -1)] and state.exports == 1
+
+
+def test_two_threads_exporting_one_block_take_turns(moves):
+    # The second export starts while the first waits for its end event: it
+    # must find the block's state as the first leaves it, not half-updated.
+    import threading
+    import time
+
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    errors = []
+
+    def export():
+        try:
+            policy.on_host_export("managed", BASE, GiB, 0.26)
+        except Exception as err:  # noqa: BLE001 - the test reports it below
+            errors.append(err)
+
+    second = threading.Thread(target=export)
+    synchronize = cupy.cuda.Event.synchronize
+
+    def while_the_first_waits(event):
+        if not second.is_alive() and second.ident is None:
+            second.start()
+            time.sleep(0.1)  # time enough for it to run, were nothing to stop it
+        synchronize(event)
+
+    cupy.cuda.Event.synchronize = while_the_first_waits
+    policy.on_handoff("managed", BASE, GiB)
+    cupy.work(0.26)
+    export()
+    second.join(5)
+    assert not second.is_alive() and errors == []
+    assert policy.state(BASE, GiB).heavy and policy.state(BASE, GiB).exports == 2

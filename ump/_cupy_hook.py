@@ -256,7 +256,7 @@ class CupyHook:
             waited = time.perf_counter() - start
         else:
             self._refuse_while_capturing(stream)  # the kernels have not even run
-        self.placement.on_host_export(kind, base, size, waited)
+        self.placement.on_host_export(kind, base, size, waited, stream)
         if kind == "managed" and owner != self.numpy_arena:
             self.placement.on_result_export(base, size, lo, hi, g.data.device_id, waited)
         iface = {

@@ -157,6 +157,10 @@ class Placement:
             return
         if capturing(self.cupy):
             return  # nothing runs until the graph is launched: no event to time, no move
+        with self._lock:  # threads hand off and export the same block
+            self._handoff(base, size)
+
+    def _handoff(self, base: int, size: int) -> None:
         state = self.blocks.get((base, size))
         if state is None:
             if len(self.blocks) >= MAX_BLOCKS:
@@ -188,16 +192,23 @@ class Placement:
             state.start.record()
             state.start_device = cuda.runtime.getDevice()
 
-    def on_host_export(self, kind: str, base: int, size: int, waited: float | None = None) -> None:
+    def on_host_export(self, kind: str, base: int, size: int, waited: float | None = None,
+                       stream=None) -> None:
         """A block goes back to the host (``waited``: seconds the host just
-        waited for the GPU, None if it did not wait): learn from the GPU time
-        it took, and move it if that pays."""
-        if kind != "managed":
+        waited for the GPU, None if it did not wait; ``stream``: the stream
+        it waited for, the current one if None): learn from the GPU time it
+        took, and move it if that pays."""
+        if kind != "managed" or (base, size) not in self.blocks:
             return
-        state = self.blocks.get((base, size))
-        if state is None:
-            return
-        stream = self.cupy.cuda.get_current_stream()
+        if capturing(self.cupy):
+            return  # an event recorded or a stream waited for now would break the capture
+        with self._lock:
+            state = self.blocks.get((base, size))
+            if state is not None:
+                self._export(state, base, size, waited,
+                             self.cupy.cuda.get_current_stream() if stream is None else stream)
+
+    def _export(self, state: BlockState, base: int, size: int, waited: float | None, stream) -> None:
         state.exports += 1
         if state.on_gpu is not None and state.start is not None:
             # A heavy block's round trip on the GPU, timed from the migration's end.
@@ -231,6 +242,10 @@ class Placement:
         end = cuda.Event()
         end.record(stream)
         end.synchronize()
+        if not start.done:
+            # With sync="stream" the host waited for one stream; the hand-off
+            # was on another, which still has work queued.
+            return None
         return cuda.get_elapsed_time(start, end) / 1e3
 
     def _reconsider_heavy(self, state: BlockState, size: int, elapsed: float | None) -> None:
@@ -288,6 +303,8 @@ class Placement:
         if (self.mode != "auto" or size < self.min_bytes or waited is None
                 or lo != base or 2 * (hi - lo) <= size):
             return  # only an array covering most of its block is followed
+        if capturing(self.cupy):
+            return  # get(stream=other) with sync="stream": advice now would break the capture
         key = (base, size)
         with self._lock:
             state = self.results.get(key)
