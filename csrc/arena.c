@@ -12,8 +12,9 @@
  * Metadata never lives inside the blocks: a managed chunk written by the CPU
  * would migrate to the host, and device memory cannot be written at all.
  *
- * Locks. Registry (rwlock) before arena (mutex), always. The allocation fast
- * path takes only the arena mutex; provider calls are made with no lock held.
+ * Locks. The thread caches' list, then the registry (rwlock), then an arena
+ * (mutex), always. The allocation fast path takes only the arena mutex (or,
+ * through a thread cache, none); provider calls are made with no lock held.
  */
 #define _GNU_SOURCE
 #include "internal.h"
@@ -61,6 +62,7 @@ struct arena {
     chunk_t *partial[N_CLASSES]; /* slabs with at least one free slot */
     chunk_t *runs;               /* cached free large runs */
     ump_stats_t st;
+    uint64_t tc_bytes, tc_count; /* in thread caches, as their threads last told (arena_st_alloc) */
 };
 
 /* One budget per kind and device: the NumPy-side and CuPy-side arenas of a
@@ -191,16 +193,25 @@ static void list_unlink(chunk_t **head, chunk_t *c)
 
 /* --- statistics (caller holds the arena lock) ---------------------------- */
 
-static void st_alloc(ump_stats_t *st, size_t bytes)
+static uint64_t sat_sub(uint64_t a, uint64_t b) { return a > b ? a - b : 0; }
+
+static void st_peak(ump_stats_t *st, uint64_t bytes, uint64_t count)
+{
+    if (bytes > st->peak_bytes)
+        st->peak_bytes = bytes;
+    if (count > st->peak_count)
+        st->peak_count = count;
+}
+
+/* Count a block handed out. The peak leaves out `idle_*`: blocks counted in
+ * current_* that are free for users (in thread caches). */
+static void st_alloc(ump_stats_t *st, size_t bytes, uint64_t idle_bytes, uint64_t idle_count)
 {
     st->current_bytes += bytes;
     st->total_bytes += bytes;
     st->current_count++;
     st->total_count++;
-    if (st->current_bytes > st->peak_bytes)
-        st->peak_bytes = st->current_bytes;
-    if (st->current_count > st->peak_count)
-        st->peak_count = st->current_count;
+    st_peak(st, sat_sub(st->current_bytes, idle_bytes), sat_sub(st->current_count, idle_count));
 }
 
 static void st_free(ump_stats_t *st, size_t bytes)
@@ -231,8 +242,12 @@ static void slab_put(arena_t *a, chunk_t *c, uint32_t idx)
  * - free finds the block's chunk among the thread's hints (the slab each class
  *   last took a block from); the hints are valid while no chunk has left the
  *   registry since they were taken (reg_gen).
- * Caches go back to their slabs at thread exit, when the NumPy arena changes,
- * and before this thread reads statistics or trims. */
+ * Only its own thread touches a cache: it goes back to its slabs at thread
+ * exit, and when its thread next allocates through the hooks after the NumPy
+ * arena changed, reads the arena's statistics or trims it. Statistics count
+ * cached blocks as free and blocks taken from a cache as allocated, from
+ * per-thread counters (the fast path writes nothing shared) that a flush
+ * folds into the arena's. */
 
 #define TC_CLASSES 8
 #define TC_DEPTH 32
@@ -241,11 +256,17 @@ typedef struct tcache {
     arena_t *arena;
     uint64_t gen;
     int registered;
-    /* Bytes and blocks cached: written by the owner thread only (relaxed
-     * stores, no read-modify-write), read by statistics in other threads. */
-    uint64_t bytes, count;
-    struct tcache *next, *prev; /* all registered caches, under tc_list_lock */
+    /* Written by the owner thread only (relaxed stores, no read-modify-write),
+     * read by statistics in other threads under tc_list_lock: bytes and
+     * blocks cached, and bytes and blocks handed out from the cache since the
+     * last flush. */
+    uint64_t bytes, count, alloc_bytes, allocs;
+    uint64_t pub_bytes, pub_count; /* the part of bytes, count in arena->tc_* */
+    struct tcache *next, *prev;    /* all registered caches, under tc_list_lock */
+    /* Per class, the hinted slab and a copy of its bounds taken under the
+     * arena lock: another thread's trim may free the chunk_t (tc_put). */
     chunk_t *hint[TC_CLASSES];
+    uintptr_t hint_lo[TC_CLASSES], hint_hi[TC_CLASSES];
     uint32_t n[TC_CLASSES];
     struct { void *p; chunk_t *c; } slot[TC_CLASSES][TC_DEPTH];
 } tcache_t;
@@ -255,35 +276,26 @@ static pthread_key_t tc_key;
 static pthread_mutex_t tc_list_lock = PTHREAD_MUTEX_INITIALIZER;
 static tcache_t *tc_list;
 
-/* Adjust this thread's cached totals (reset them if `reset`). */
-static void tc_count_add(int64_t bytes, int64_t count, int reset)
+/* Store one of this thread's counters that statistics read. */
+static void tc_set(uint64_t *counter, uint64_t value) { __atomic_store_n(counter, value, __ATOMIC_RELAXED); }
+
+static void tc_forget_hints(void)
 {
-    __atomic_store_n(&tc.bytes, reset ? 0 : tc.bytes + (uint64_t)bytes, __ATOMIC_RELAXED);
-    __atomic_store_n(&tc.count, reset ? 0 : tc.count + (uint64_t)count, __ATOMIC_RELAXED);
+    memset(tc.hint, 0, sizeof tc.hint);
+    memset(tc.hint_lo, 0, sizeof tc.hint_lo);
+    memset(tc.hint_hi, 0, sizeof tc.hint_hi);
 }
 
-/* Bytes and blocks of arena a sitting in any thread's cache. */
-static void tc_totals(arena_t *a, uint64_t *bytes, uint64_t *count)
-{
-    *bytes = *count = 0;
-    pthread_mutex_lock(&tc_list_lock);
-    for (tcache_t *t = tc_list; t; t = t->next) {
-        if (__atomic_load_n(&t->arena, __ATOMIC_RELAXED) != a)
-            continue;
-        *bytes += __atomic_load_n(&t->bytes, __ATOMIC_RELAXED);
-        *count += __atomic_load_n(&t->count, __ATOMIC_RELAXED);
-    }
-    pthread_mutex_unlock(&tc_list_lock);
-}
-
-/* Return this thread's cached blocks to their slabs. */
+/* Return this thread's cached blocks to their slabs and fold its counters
+ * into the arena's statistics. */
 static void tc_flush(void)
 {
     arena_t *a = tc.arena;
-    /* Counters first: a statistics reader may then count a block as both
-     * allocated and cached for a moment, never as neither. */
-    tc_count_add(0, 0, 1);
     if (a) {
+        /* Statistics take tc_list_lock, then the arena lock (fork's order):
+         * holding both, the flush is one step for them, so no block counts
+         * as both cached and in its slab, or as neither. */
+        pthread_mutex_lock(&tc_list_lock);
         pthread_mutex_lock(&a->lock);
         for (int cls = 0; cls < TC_CLASSES; cls++) {
             for (uint32_t i = 0; i < tc.n[cls]; i++) {
@@ -292,10 +304,20 @@ static void tc_flush(void)
             }
             tc.n[cls] = 0;
         }
+        a->st.total_bytes += tc.alloc_bytes;
+        a->st.total_count += tc.allocs;
+        a->tc_bytes -= tc.pub_bytes;
+        a->tc_count -= tc.pub_count;
+        tc.pub_bytes = tc.pub_count = 0;
+        tc_set(&tc.bytes, 0);
+        tc_set(&tc.count, 0);
+        tc_set(&tc.alloc_bytes, 0);
+        tc_set(&tc.allocs, 0);
+        __atomic_store_n(&tc.arena, NULL, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&a->lock);
+        pthread_mutex_unlock(&tc_list_lock);
     }
-    memset(tc.hint, 0, sizeof tc.hint);
-    __atomic_store_n(&tc.arena, NULL, __ATOMIC_RELAXED);
+    tc_forget_hints();
 }
 
 static void tc_thread_exit(void *unused)
@@ -339,10 +361,12 @@ static void tc_hint(arena_t *a, chunk_t *s)
         return;
     uint64_t gen = __atomic_load_n(&reg_gen, __ATOMIC_ACQUIRE);
     if (gen != tc.gen) {
-        memset(tc.hint, 0, sizeof tc.hint); /* older hints may be stale */
+        tc_forget_hints(); /* older hints may be stale */
         tc.gen = gen;
     }
     tc.hint[s->cls] = s;
+    tc.hint_lo[s->cls] = s->base;
+    tc.hint_hi[s->cls] = s->base + s->size;
 }
 
 static void *tc_take(arena_t *a, int cls)
@@ -354,7 +378,10 @@ static void *tc_take(arena_t *a, int cls)
     void *p = tc.slot[cls][i].p;
     uint32_t idx = (uint32_t)(((uintptr_t)p - c->base) / c->block);
     __atomic_fetch_or(&c->live[idx / 64], (uint64_t)1 << (idx % 64), __ATOMIC_RELAXED);
-    tc_count_add(-(int64_t)c->block, -1, 0);
+    tc_set(&tc.bytes, tc.bytes - c->block);
+    tc_set(&tc.count, tc.count - 1);
+    tc_set(&tc.alloc_bytes, tc.alloc_bytes + c->block);
+    tc_set(&tc.allocs, tc.allocs + 1);
     return p;
 }
 
@@ -366,21 +393,26 @@ static int tc_put(void *ptr)
     if (!tc.arena || tc.gen != __atomic_load_n(&reg_gen, __ATOMIC_ACQUIRE))
         return 0;
     uintptr_t p = (uintptr_t)ptr;
-    for (int h = 0; h < TC_CLASSES; h++) {
-        chunk_t *c = tc.hint[h];
-        if (!c || p < c->base || p >= c->base + c->size)
+    for (int cls = 0; cls < TC_CLASSES; cls++) {
+        /* The copied bounds, not the chunk_t: right after the generation
+         * check another thread's trim may free a hinted slab that is wholly
+         * free. A slab holding p is not (p is live, unless this is a double
+         * free racing the trim), so the chunk_t is read only then. */
+        if (p < tc.hint_lo[cls] || p >= tc.hint_hi[cls])
             continue;
+        chunk_t *c = tc.hint[cls];
         uintptr_t off = p - c->base;
-        if (off % c->block || tc.n[c->cls] == TC_DEPTH)
+        if (off % c->block || tc.n[cls] == TC_DEPTH)
             return 0;
         uint32_t idx = (uint32_t)(off / c->block);
         uint64_t bit = (uint64_t)1 << (idx % 64);
         if (!(__atomic_fetch_and(&c->live[idx / 64], ~bit, __ATOMIC_RELAXED) & bit))
             return 0; /* was not live: a double free, reported by the slow path */
-        tc.slot[c->cls][tc.n[c->cls]].p = ptr;
-        tc.slot[c->cls][tc.n[c->cls]].c = c;
-        tc.n[c->cls]++;
-        tc_count_add((int64_t)c->block, 1, 0);
+        tc.slot[cls][tc.n[cls]].p = ptr;
+        tc.slot[cls][tc.n[cls]].c = c;
+        tc.n[cls]++;
+        tc_set(&tc.bytes, tc.bytes + c->block);
+        tc_set(&tc.count, tc.count + 1);
         return 1;
     }
     return 0;
@@ -470,16 +502,32 @@ int ump_arena_stats(int id, ump_stats_t *out)
         return ump__set_status(UMP_ERR_ARG);
     if (tc.arena == a)
         tc_flush();
-    pthread_mutex_lock(&a->lock);
-    *out = a->st;
-    pthread_mutex_unlock(&a->lock);
     /* Blocks in thread caches count as allocated in st but are free for
-     * users. The totals are read after the snapshot and without its lock,
-     * so saturate rather than wrap. */
-    uint64_t cached_bytes, cached_count;
-    tc_totals(a, &cached_bytes, &cached_count);
-    out->current_bytes = out->current_bytes > cached_bytes ? out->current_bytes - cached_bytes : 0;
-    out->current_count = out->current_count > cached_count ? out->current_count - cached_count : 0;
+     * users; blocks taken from them are not in st's totals yet. Flushes hold
+     * both locks, so st and the counters agree; other threads' fast paths
+     * still move theirs as they are read: saturate rather than wrap. */
+    uint64_t bytes = 0, count = 0, alloc_bytes = 0, allocs = 0;
+    pthread_mutex_lock(&tc_list_lock);
+    pthread_mutex_lock(&a->lock);
+    for (tcache_t *t = tc_list; t; t = t->next) {
+        if (__atomic_load_n(&t->arena, __ATOMIC_RELAXED) != a)
+            continue;
+        bytes += __atomic_load_n(&t->bytes, __ATOMIC_RELAXED);
+        count += __atomic_load_n(&t->count, __ATOMIC_RELAXED);
+        alloc_bytes += __atomic_load_n(&t->alloc_bytes, __ATOMIC_RELAXED);
+        allocs += __atomic_load_n(&t->allocs, __ATOMIC_RELAXED);
+    }
+    *out = a->st;
+    out->current_bytes = sat_sub(out->current_bytes, bytes);
+    out->current_count = sat_sub(out->current_count, count);
+    out->total_bytes += alloc_bytes;
+    out->total_count += allocs;
+    /* A high reached through thread caches alone is seen only here. */
+    st_peak(&a->st, out->current_bytes, out->current_count);
+    out->peak_bytes = a->st.peak_bytes;
+    out->peak_count = a->st.peak_count;
+    pthread_mutex_unlock(&a->lock);
+    pthread_mutex_unlock(&tc_list_lock);
     out->cap_bytes = __atomic_load_n(&a->budget->cap, __ATOMIC_RELAXED);
     return UMP_OK;
 }
@@ -551,31 +599,48 @@ static int budget_take(budget_t *b, uint64_t bytes)
     return 1;
 }
 
+/* Wholly free bytes of arena a (under its lock). */
+static uint64_t cached_of(arena_t *a)
+{
+    pthread_mutex_lock(&a->lock);
+    uint64_t bytes = a->st.cached_bytes;
+    pthread_mutex_unlock(&a->lock);
+    return bytes;
+}
+
 /* Reserve `bytes` of the arena's budget, trimming cached chunks once if the
  * cap would be exceeded. */
 static int reserve(arena_t *a, size_t bytes)
 {
+    budget_t *b = a->budget;
     for (int attempt = 0; attempt < 2; attempt++) {
-        if (budget_take(a->budget, bytes)) {
+        if (budget_take(b, bytes)) {
             pthread_mutex_lock(&a->lock);
             a->st.held_bytes += bytes;
             pthread_mutex_unlock(&a->lock);
             return UMP_OK;
         }
-        if (attempt == 0) {
-            /* Give back wholly free chunks under this budget, if there are
-             * any: trimming for nothing would thrash the provider at the cap. */
-            int trimmed = 0;
-            for (int i = 0; i < UMP_MAX_ARENAS; i++) {
-                arena_t *other = arena_get(i);
-                if (other && other->budget == a->budget &&
-                    __atomic_load_n(&other->st.cached_bytes, __ATOMIC_RELAXED) >= bytes) {
-                    ump_arena_trim(i);
-                    trimmed = 1;
-                }
-            }
-            if (!trimmed)
-                break;
+        if (attempt == 1)
+            break;
+        /* Trim the budget's arenas (both sides of the backend) if their
+         * wholly free chunks together cover the shortfall: trimming for less
+         * would give chunks back and fail anyway, thrashing the provider at
+         * the cap. */
+        uint64_t held = __atomic_load_n(&b->held, __ATOMIC_RELAXED);
+        uint64_t cap = __atomic_load_n(&b->cap, __ATOMIC_RELAXED);
+        uint64_t need = held + bytes < held ? UINT64_MAX : sat_sub(held + bytes, cap);
+        uint64_t cached = 0;
+        for (int i = 0; i < UMP_MAX_ARENAS; i++) {
+            arena_t *other = arena_get(i);
+            if (other && other->budget == b)
+                cached += cached_of(other);
+        }
+        if (cached < need)
+            break;
+        for (int i = 0; i < UMP_MAX_ARENAS; i++) {
+            arena_t *other = arena_get(i);
+            if (other && other->budget == b && cached_of(other))
+                ump_arena_trim(i);
         }
     }
     return UMP_ERR_CAP;
@@ -655,6 +720,23 @@ static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
     return c;
 }
 
+/* Count a block of arena a handed out; caller holds a's lock. The peak
+ * leaves out blocks in thread caches (free for users, yet in st.current) as
+ * their threads last told the arena, here: it cannot sum the caches itself
+ * without tc_list_lock, which ranks before the arena lock. So other threads'
+ * caches count as of their last allocation under the lock, and a high
+ * reached through caches alone is recorded when statistics are read. */
+static void arena_st_alloc(arena_t *a, size_t bytes)
+{
+    if (tc.arena == a) {
+        a->tc_bytes += tc.bytes - tc.pub_bytes;
+        a->tc_count += tc.count - tc.pub_count;
+        tc.pub_bytes = tc.bytes;
+        tc.pub_count = tc.count;
+    }
+    st_alloc(&a->st, bytes, a->tc_bytes, a->tc_count);
+}
+
 /* Caller holds the arena lock; s has a free slot. */
 static void *slab_take(arena_t *a, chunk_t *s)
 {
@@ -664,7 +746,7 @@ static void *slab_take(arena_t *a, chunk_t *s)
         a->st.cached_bytes -= s->size; /* was wholly free */
     if (s->nfree == 0)
         list_unlink(&a->partial[s->cls], s);
-    st_alloc(&a->st, s->block);
+    arena_st_alloc(a, s->block);
     return (void *)(s->base + (uintptr_t)idx * s->block);
 }
 
@@ -719,7 +801,7 @@ static void *large_alloc(arena_t *a, size_t rsize, int *zero)
     best->used = rsize;
     *zero = best->zero;
     best->zero = 0;
-    st_alloc(&a->st, best->block);
+    arena_st_alloc(a, best->block);
     pthread_mutex_unlock(&a->lock);
     return (void *)best->base;
 }
@@ -774,13 +856,13 @@ static enum free_result arena_free(void *ptr)
         uintptr_t off = p - c->base;
         uint32_t idx = (uint32_t)(off / c->block);
         uint64_t bit = (uint64_t)1 << (idx % 64);
-        /* atomic: thread caches clear other bits of this word without the lock */
-        if (off % c->block || !(__atomic_load_n(&c->live[idx / 64], __ATOMIC_RELAXED) & bit)) {
+        /* One atomic step: thread caches clear bits of this word without the
+         * lock, and a racing double free through a cache (tc_put) must not
+         * also find the bit set. */
+        if (off % c->block || !(__atomic_fetch_and(&c->live[idx / 64], ~bit, __ATOMIC_RELAXED) & bit))
             bad = 1;
-        } else {
-            __atomic_fetch_and(&c->live[idx / 64], ~bit, __ATOMIC_RELAXED);
+        else
             slab_put(a, c, idx);
-        }
     } else if (p != c->base || !c->in_use) {
         bad = 1;
     } else {
@@ -931,7 +1013,7 @@ static void *fallback_alloc(size_t size, int zero)
     fb_tab[i].key = (uintptr_t)p;
     fb_tab[i].size = rsize;
     fb_n++;
-    st_alloc(&fb_st, rsize);
+    st_alloc(&fb_st, rsize, 0, 0);
     pthread_mutex_unlock(&fb_lock);
     return p;
 }

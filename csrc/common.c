@@ -51,9 +51,16 @@ int ump__injected_failure(void)
     if (__atomic_fetch_sub(&inject_after, 1, __ATOMIC_SEQ_CST) > 0)
         return 0;
     __atomic_store_n(&inject_after, 0, __ATOMIC_SEQ_CST);
+    /* Compare-exchange: two threads that both read one failure left would
+     * both decrement, to -1, which means "fail every call". */
     int64_t left = __atomic_load_n(&inject_count, __ATOMIC_SEQ_CST);
-    if (left > 0)
-        __atomic_fetch_sub(&inject_count, 1, __ATOMIC_SEQ_CST);
+    do {
+        if (left == 0)
+            return 0; /* another thread took the last one */
+        if (left < 0)
+            return 1;
+    } while (!__atomic_compare_exchange_n(&inject_count, &left, left - 1, 0, __ATOMIC_SEQ_CST,
+                                          __ATOMIC_SEQ_CST));
     return 1;
 }
 

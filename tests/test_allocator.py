@@ -275,3 +275,76 @@ def test_an_arena_with_a_context_must_take_cuda_memory():
         _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, device=7, context=0x1234)
     with pytest.raises(UmpError):
         _core.Arena("host", _core.PROVIDER_HOST, 8 * MiB, device=-2)
+
+
+def test_cap_trims_the_cached_chunks_of_every_arena_of_the_budget():
+    """Past the cap, the wholly free chunks of both sides of a budget are
+    given back when together they cover the shortfall, though neither side
+    alone caches as much as the request (device 20: a budget no other test
+    uses)."""
+    numpy_side = _core.Arena("host", _core.PROVIDER_HOST, 6 * MiB, device=20)
+    cupy_side = _core.Arena("host", _core.PROVIDER_HOST, 6 * MiB, cupy_side=True, device=20)
+    for arena in (numpy_side, cupy_side):
+        arena.trim()
+    x, y, z = numpy_side.allocate(2 * MiB), cupy_side.allocate(2 * MiB), cupy_side.allocate(2 * MiB)
+    numpy_side.deallocate(x)
+    cupy_side.deallocate(y)  # 4 MiB cached, 2 in each arena; 2 MiB live; the cap is 6
+    w = cupy_side.allocate(3 * MiB)  # short by 3 MiB: both arenas are trimmed
+    assert numpy_side.statistics().held_bytes == 0 and numpy_side.statistics().chunk_frees >= 1
+    cupy_side.deallocate(w)
+    cupy_side.deallocate(z)
+    # one arena: a cached 2 MiB slab and a 3 MiB request under a 4 MiB cap
+    cupy_side.trim()
+    cupy_side.set_cap(4 * MiB)
+    cupy_side.deallocate(cupy_side.allocate(100))
+    assert cupy_side.statistics().cached_bytes == 2 * MiB
+    cupy_side.deallocate(cupy_side.allocate(3 * MiB))
+    cupy_side.trim()
+
+
+def test_cap_trims_nothing_that_could_not_make_room():
+    """Trimming chunks that cannot cover the shortfall would only thrash the
+    provider: the request fails and the cached chunk stays."""
+    arena = _core.Arena("host", _core.PROVIDER_HOST, 4 * MiB, device=20)
+    arena.trim()
+    arena.deallocate(arena.allocate(100))  # a wholly free 2 MiB slab
+    before = arena.statistics()
+    with pytest.raises(_core.OutOfMemoryError, match="UMP_ERR_CAP"):
+        arena.allocate(5 * MiB)  # short by 3 MiB, 2 MiB cached
+    after = arena.statistics()
+    assert (after.cached_bytes, after.chunk_frees) == (2 * MiB, before.chunk_frees)
+    arena.trim()
+
+
+def test_statistics_of_blocks_through_the_thread_cache():
+    """Blocks served from this thread's cache count in the totals, and blocks
+    waiting in it are not live for the peak (device 21: an arena of its own)."""
+    arena = _core.Arena("host", _core.PROVIDER_HOST, 1 << 30, device=21)
+    previous = _core.get_numpy_arena()
+    _core.set_numpy_arena(arena.id)
+    try:
+        s0 = arena.statistics()
+        for _ in range(10_000):
+            _core.free(_core.malloc(64), 64)
+        s1 = arena.statistics()
+        assert s1.total_count - s0.total_count == 10_000
+        assert s1.total_bytes - s0.total_bytes == 10_000 * 512
+        assert s1.peak_count <= max(s0.peak_count, s0.current_count + 1)
+        if s0.peak_count == 0:  # the arena's first use: the peak is exact
+            small = [_core.malloc(64) for _ in range(32)]  # 32 live 512-byte blocks
+            for p in small:
+                _core.free(p, 64)  # all 32 into this thread's cache
+            large = [_core.malloc(1024) for _ in range(32)]  # 32 live again, not 64
+            s2 = arena.statistics()
+            assert (s2.current_count, s2.peak_count, s2.peak_bytes) == (32, 32, 32 * 1024)
+            small = [_core.malloc(64) for _ in range(32)]  # from the cache: 64 live
+            s3 = arena.statistics()
+            assert (s3.current_count, s3.peak_count) == (64, 64)
+            assert s3.total_count - s1.total_count == 96
+            for p in small + large:
+                _core.free(p, 0)
+        s4 = arena.statistics()
+        assert (s4.current_count, s4.current_bytes) == (0, 0)
+    finally:
+        _core.set_numpy_arena(previous)
+        arena.trim()

@@ -133,3 +133,45 @@ def test_enable_after_numpy_arrays_exist_and_disable_order(caps):
     del late
     assert arena.statistics().current_count == live - 1
     assert _core.foreign_frees() == foreign
+
+
+def test_numpy_arrays_from_the_thread_cache_count_in_the_totals(host):
+    """Small arrays come from the thread's cache after the first; each one
+    still counts once in total_count and total_bytes."""
+    before = ump.statistics()["numpy"]
+    for _ in range(10_000):
+        np.empty(64)  # 512 bytes, freed at once
+    after = ump.statistics()["numpy"]
+    assert after.total_count - before.total_count == 10_000
+    assert after.total_bytes - before.total_bytes == 10_000 * 512
+    assert (after.current_count, after.current_bytes) == (before.current_count, before.current_bytes)
+    assert after.peak_count <= max(before.peak_count, before.current_count + 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, 2**64 + 100])
+def test_sizes_a_c_integer_cannot_hold_are_refused(bad):
+    """ctypes keeps the low 64 bits of an int: 2**64 + 100 bytes would become a
+    100-byte block, a cap of 2**64 a cap of 0. (Device 22: an arena no other
+    test uses.)"""
+    arena = _core.Arena("host", _core.PROVIDER_HOST, 8 << 20, device=22)
+    with pytest.raises(ValueError, match=rf"got {bad}\b"):
+        arena.allocate(bad)
+    with pytest.raises(ValueError, match=rf"got {bad}\b"):
+        arena.set_cap(bad)
+    assert arena.statistics().cap_bytes == 8 << 20
+    with pytest.raises(ValueError, match=rf"got {bad}\b"):
+        _core.Arena("host", _core.PROVIDER_HOST, bad, device=22)
+    # checked before any CUDA call, so the same without a GPU
+    with pytest.raises(ValueError, match=rf"got {bad}\b"):
+        _core.prefetch(1 << 20, bad, -1, 0)
+    with pytest.raises(ValueError, match=rf"got {bad}\b"):
+        _core.advise(1 << 20, bad, _core.ADVICE["read_mostly"], 0)
+    with pytest.raises(ValueError, match=rf"got {bad}\b"):
+        _core.prefetch(bad, 4096, -1, 0)
+    arena.set_cap(2**64 - 1)  # the largest cap a uint64_t holds
+    assert arena.statistics().cap_bytes == 2**64 - 1
+
+
+def test_the_os_running_out_of_memory_raises_out_of_memory_error():
+    with pytest.raises(ump.OutOfMemoryError, match="UMP_ERR_NOMEM"):
+        _core.check(_core.ERR_NOMEM, "allocating")

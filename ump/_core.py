@@ -45,8 +45,8 @@ ERR_INJECTED = _ucore.UMP_ERR_INJECTED
 ERR_HANDLE = _ucore.UMP_ERR_HANDLE
 ERR_UNSUPPORTED = _ucore.UMP_ERR_UNSUPPORTED
 CUDA_ERROR_OUT_OF_MEMORY = _ucore.CUDA_ERROR_OUT_OF_MEMORY
-#: Statuses that mean the memory ran out: an arena's cap, or the device.
-OUT_OF_MEMORY = frozenset({ERR_CAP, CUDA_ERROR_OUT_OF_MEMORY})
+#: Statuses that mean the memory ran out: an arena's cap, the OS or provider, or the device.
+OUT_OF_MEMORY = frozenset({ERR_CAP, ERR_NOMEM, CUDA_ERROR_OUT_OF_MEMORY})
 
 lib = ctypes.CDLL(_ucore.__file__)
 
@@ -63,6 +63,17 @@ def _u64_struct(name: str, c_name: str, fields: tuple[str, ...], size: int) -> t
 
 
 _CStats = _u64_struct("_CStats", "ump_stats_t", _ucore.STATS_FIELDS, _ucore.STATS_SIZE)
+
+
+_U64_MAX = 2**64 - 1
+
+
+def _u64_arg(value: int, what: str) -> int:
+    """``value`` if a C uint64_t/size_t holds it; ctypes would silently keep
+    only its low 64 bits (2**64 + 100 bytes would become 100)."""
+    if not 0 <= value <= _U64_MAX:
+        raise ValueError(f"{what} must be between 0 and 2**64 - 1, got {value}")
+    return value
 
 
 def _sig(name, restype, *argtypes):
@@ -220,8 +231,7 @@ class Arena:
 
     def __init__(self, kind: str, provider: int, cap: int, advise_host: bool = False,
                  cupy_side: bool = False, device: int = -1, context: int = 0):
-        if cap < 0:
-            raise ValueError(f"arena cap must be >= 0 bytes, got {cap}")
+        _u64_arg(cap, "an arena cap in bytes")
         self.kind = kind
         self.device = device
         flags = (ARENA_ADVISE_HOST if advise_host else 0) | (ARENA_CUPY if cupy_side else 0)
@@ -232,8 +242,7 @@ class Arena:
 
     def allocate(self, size: int) -> int:
         """Allocate ``size`` bytes; raise :class:`OutOfMemoryError` past the cap."""
-        if size < 0:
-            raise ValueError(f"allocation size must be >= 0, got {size}")
+        _u64_arg(size, "an allocation size in bytes")
         ptr = _arena_alloc(self.id, size)
         if not ptr:
             status = last_status()
@@ -250,8 +259,7 @@ class Arena:
         check(_arena_trim(self.id), f"trimming the {self.kind} arena")
 
     def set_cap(self, cap: int) -> None:
-        if cap < 0:
-            raise ValueError(f"arena cap must be >= 0 bytes, got {cap}")
+        _u64_arg(cap, "an arena cap in bytes")
         check(_arena_set_cap(self.id, cap), "setting the arena cap")
 
     def statistics(self) -> Statistics:
@@ -290,8 +298,12 @@ ADVICE = {
 
 
 def prefetch(ptr: int, size: int, device: int, stream: int) -> None:
+    _u64_arg(ptr, "an address")
+    _u64_arg(size, "a size in bytes")
     check(_prefetch(ptr, size, device, stream), f"prefetching {size} bytes at {ptr:#x}")
 
 
 def advise(ptr: int, size: int, advice: int, device: int) -> None:
+    _u64_arg(ptr, "an address")
+    _u64_arg(size, "a size in bytes")
     check(_advise(ptr, size, advice, device), f"advising {size} bytes at {ptr:#x}")
