@@ -61,6 +61,10 @@ int ump_cuda_load(const char *path)
     LOAD(memGetAllocationGranularity, "cuMemGetAllocationGranularity");
     LOAD(ctxSynchronize, "cuCtxSynchronize");
     LOAD(memcpyDtoD, "cuMemcpyDtoD_v2");
+    LOAD(deviceGet, "cuDeviceGet");
+    LOAD(primaryCtxGetState, "cuDevicePrimaryCtxGetState");
+    LOAD(primaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    LOAD(primaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
     LOAD(memExportToShareableHandle, "cuMemExportToShareableHandle");
     LOAD(memImportFromShareableHandle, "cuMemImportFromShareableHandle");
     LOAD(memGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle");

@@ -13,6 +13,7 @@
 
 typedef int CUresult;
 typedef uintptr_t CUdeviceptr;
+typedef int CUdevice;
 typedef void *CUcontext;
 typedef void *CUstream;
 typedef unsigned long long CUmemGenericAllocationHandle;

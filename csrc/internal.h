@@ -80,6 +80,11 @@ typedef struct {
     CUresult (*memSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*memGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
     CUresult (*memcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
+    /* Another device's primary context (the runtime's, CuPy's). */
+    CUresult (*deviceGet)(CUdevice *, int);
+    CUresult (*primaryCtxGetState)(CUdevice, unsigned *, int *);
+    CUresult (*primaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*primaryCtxRelease)(CUdevice);
     /* Sharing physical memory between processes (CUDA 10.2+): `share` says
      * all three exist. */
     int share;

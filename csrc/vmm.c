@@ -103,6 +103,7 @@ typedef struct {
 typedef struct {
     int used, provider, device;
     int closing;       /* destroyed: its memory is gone, its slot still pinned */
+    int inherited;     /* a forked child's copy: its handles are the parent's too */
     int users;         /* pins: calls between resolving its id and letting go */
     void *ctx;
     uint64_t gran;
@@ -157,8 +158,11 @@ static uint64_t now_ns(void)
 static int ph_enter(pool_t *p, int *pushed)
 {
     *pushed = 0;
+    /* A child's copy of an emulated pool maps the parent's memfds
+     * (MAP_SHARED): anything it mapped or moved would be the parent's
+     * memory. Pools the child makes itself are its own. */
     if (p->provider == UMP_PROVIDER_HOST)
-        return UMP_OK;
+        return p->inherited ? UMP_ERR_FORKED : UMP_OK;
     int status = ump__cuda_ready();
     if (status == UMP_OK)
         *pushed = ump__ctx_enter(p->ctx);
@@ -316,11 +320,44 @@ static int ph_access(pool_t *p, uintptr_t va, uint64_t bytes)
     return ump__cu.memSetAccess(va, bytes, desc, (size_t)p->ndev);
 }
 
+/* Wait for the work of `device`'s primary context (the runtime's, CuPy's).
+ * One that is not active has no kernel left that could use the pool. */
+static int sync_device(int device)
+{
+    if (!ump__cu.deviceGet || !ump__cu.primaryCtxGetState || !ump__cu.primaryCtxRetain ||
+        !ump__cu.primaryCtxRelease)
+        return UMP_ERR_NOCUDA;
+    CUdevice dev;
+    int active = 0;
+    unsigned flags;
+    CUcontext ctx, popped;
+    int status = ump__cu.deviceGet(&dev, device);
+    if (status == CUDA_SUCCESS)
+        status = ump__cu.primaryCtxGetState(dev, &flags, &active);
+    if (status != CUDA_SUCCESS || !active)
+        return status;
+    status = ump__cu.primaryCtxRetain(&ctx, dev);
+    if (status != CUDA_SUCCESS)
+        return status;
+    status = ump__cu.ctxPushCurrent(ctx);
+    if (status == CUDA_SUCCESS) {
+        status = ump__cu.ctxSynchronize();
+        ump__cu.ctxPopCurrent(&popped);
+    }
+    ump__cu.primaryCtxRelease(dev);
+    return status;
+}
+
+/* Before anything is unmapped: kernels on every device granted access may
+ * still read the pages, not only those of the pool's own device. */
 static int ph_sync(pool_t *p)
 {
     int pushed, status = ph_enter(p, &pushed);
-    if (status == UMP_OK && p->provider != UMP_PROVIDER_HOST)
+    if (status == UMP_OK && p->provider != UMP_PROVIDER_HOST) {
         status = ump__cu.ctxSynchronize();
+        for (int d = 1; d < p->ndev && status == UMP_OK; d++) /* devs[0] is the pool's */
+            status = sync_device(p->devs[d]);
+    }
     ph_leave(p, pushed);
     return status;
 }
@@ -826,6 +863,14 @@ static int touch(pool_t *p, blk_t *b)
     return status;
 }
 
+/* Where a block cut at top for `stream` starts: the last block if it is
+ * free on that stream (it grows into the unused range), else top. */
+static uint64_t tail_start(pool_t *p, uintptr_t stream)
+{
+    blk_t *l = p->last;
+    return l && l->bin >= 0 && l->stream == stream ? l->off : p->top;
+}
+
 /* After a device-wide synchronisation, free blocks of every stream may be
  * handed out on any stream: retag them all and merge neighbours. */
 static void merge_streams(pool_t *p, uintptr_t stream)
@@ -1000,15 +1045,18 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
 {
     pool_t *p;
     int status = pool_enter(id, &p);
-    if (status == UMP_OK && size > p->main.ngran * p->gran) {
+    if (status == UMP_OK && (p->inherited || size > p->main.ngran * p->gran)) {
+        /* A forked child's copy would hand out the parent's memory. Past the
+         * reservation: no failure of the pool's. */
+        status = p->inherited ? UMP_ERR_FORKED : UMP_ERR_ARG;
         pool_leave(p);
-        status = UMP_ERR_ARG; /* past the reservation: no failure of the pool's */
     }
     if (status != UMP_OK) {
         fail(status);
         return 0;
     }
     uint64_t need = size ? (size + UMP_ALIGN - 1) / UMP_ALIGN * UMP_ALIGN : UMP_ALIGN;
+    uint64_t end = p->main.ngran * p->gran;
     uintptr_t ptr = 0;
     blk_t *b = NULL;
     sbins_t *sb = bins_for(p, stream, 1);
@@ -1017,7 +1065,7 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
         goto out;
     }
     b = find_fit(sb, need);
-    if (!b && p->top + need > p->main.ngran * p->gran) {
+    if (!b && tail_start(p, stream) + need > end) {
         merge_streams(p, stream);
         b = find_fit(bins_for(p, stream, 0), need);
     }
@@ -1035,17 +1083,25 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
             link_after(p, b, rest);
             bin_insert(p, rest);
         }
-    } else if (p->top + need <= p->main.ngran * p->gran) {
-        b = blk_new(p->top, need, stream);
-        if (!b) {
-            status = UMP_ERR_NOMEM;
+    } else {
+        uint64_t at = tail_start(p, stream);
+        if (at + need > end) {
+            status = UMP_ERR_ARG; /* the address range is full (UMP_ERR_CAP: the limit) */
             goto out;
         }
-        link_after(p, p->last, b);
-        p->top += need;
-    } else {
-        status = UMP_ERR_CAP; /* the address range is full */
-        goto out;
+        if (at < p->top) {
+            b = p->last; /* free but too small: it grows past top */
+            bin_remove(p, b);
+            b->size = need;
+        } else {
+            b = blk_new(at, need, stream);
+            if (!b) {
+                status = UMP_ERR_NOMEM;
+                goto out;
+            }
+            link_after(p, p->last, b);
+        }
+        p->top = at + need;
     }
     b->stream = stream;
     status = touch(p, b);
@@ -1460,7 +1516,8 @@ int ump_vmm_migrate(int id, uintptr_t ptr, uint64_t bytes, int device)
     region_t *r = region_at(p, ptr, &region);
     for (int d = 0; d < p->ndev; d++)
         granted |= p->devs[d] == device;
-    if (!r || !granted || ptr + bytes > r->va + r->ngran * p->gran ||
+    /* region_at: ptr >= r->va, so the end is not below ptr (ptr + bytes may wrap) */
+    if (!r || !granted || bytes > r->va + r->ngran * p->gran - ptr ||
         (region != 0 && r->kind != REGION_BUFFER))
         status = UMP_ERR_ARG; /* a view's handles are mapped elsewhere too, or not ours */
     uint64_t g0 = 0, g1 = 0;
@@ -1498,7 +1555,7 @@ int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
         return fail(status);
     int region, dev = -2;
     region_t *r = region_at(p, ptr, &region);
-    if (r && ptr + bytes <= r->va + r->ngran * p->gran) {
+    if (r && bytes <= r->va + r->ngran * p->gran - ptr) {
         for (uint64_t g = (ptr - r->va) / p->gran; g <= (ptr + bytes - 1 - r->va) / p->gran; g++) {
             int d = r->gh[g] < 0 ? -3 : p->hs[r->gh[g]].device;
             dev = dev == -2 ? d : (dev == d ? dev : -1);
@@ -1973,6 +2030,7 @@ static void fork_child(void)
             n_pools_used--;
         } else {
             pthread_mutex_init(&p->lock, NULL);
+            p->inherited = 1;
         }
     }
     pthread_mutex_init(&pools_lock, NULL);

@@ -245,3 +245,58 @@ def test_migrate_bad_input(cupy, pool, gpu_caps):
         ump.migrate(np.ones(10), 0)
     with pytest.raises(TypeError):
         ump.migrate(object(), 0)
+
+
+_SLOW_SUM = r"""
+extern "C" __global__ void slow_sum(const int *a, unsigned long long n, unsigned long long wait_ns,
+                                    unsigned long long *out)
+{
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < wait_ns);
+    unsigned long long s = 0;
+    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        s += a[i];
+    atomicAdd(out, s);
+}
+"""
+
+
+def _view(cupy, ptr, nbytes, dtype, device):
+    mem = cupy.cuda.memory.UnownedMemory(ptr, nbytes, None, device)
+    return cupy.ndarray((nbytes // np.dtype(dtype).itemsize,), dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def test_unmapping_waits_for_kernels_on_granted_devices(two_gpus, pool):
+    """A kernel on GPU 1 still reads a block of GPU 0's pool when the block is
+    freed; the next allocation scavenges the block's idle memory and unmaps
+    it. That unmap must wait for GPU 1 as well as GPU 0, or the kernel reads
+    unmapped addresses (an illegal address error on GPU 1)."""
+    cupy = two_gpus
+    n = 2 << 20
+    nbytes = 4 * n  # 8 MiB of int32: granules 0-3 of the fresh pool
+    host = (np.arange(n) % 7).astype(np.int32)
+    pool.grant(1)
+    ptr = pool.allocate(nbytes)
+    out = pool.allocate(512)  # after it, so its hole never merges with the top; the sum lands here
+    assert out == ptr + nbytes
+    _view(cupy, ptr, nbytes, np.int32, 0).set(host)
+    cupy.cuda.runtime.memset(out, 0, 8)
+    cupy.cuda.runtime.deviceSynchronize()
+    with cupy.cuda.Device(1):
+        kernel = cupy.RawKernel(_SLOW_SUM, "slow_sum")
+        kernel((32,), (256,), (_view(cupy, ptr, nbytes, np.int32, 1), np.uint64(n),
+                               np.uint64(500_000_000), _view(cupy, out, 512, np.uint64, 1)))
+    # the kernel now waits half a second before it reads
+    before = pool.statistics()
+    pool.deallocate(ptr)
+    big = pool.allocate(32 * MiB)  # fits no hole: mapped from ptr's idle handles, unmapped first
+    assert pool.statistics().unmaps > before.unmaps
+    cupy.cuda.Device(1).synchronize()  # raises if the kernel faulted
+    total = int(_view(cupy, out, 512, np.uint64, 0)[:1].get()[0])
+    assert total == int(host.sum())
+    pool.deallocate(big)
+    pool.deallocate(out)

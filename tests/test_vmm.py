@@ -8,7 +8,10 @@ test_gpu_vmm.py.
 from __future__ import annotations
 
 import ctypes
+import os
 import random
+import types
+import warnings
 
 import pytest
 
@@ -386,3 +389,131 @@ def test_a_pool_closed_under_a_call_says_so(pool):
     with pytest.raises(ump.UmpError, match="the pool is closed"):
         pool.deallocate(ptr)
     pool._closed = True  # what close() records
+
+
+def test_a_free_block_at_the_end_grows_into_the_unused_range():
+    """A free last block is not a wall: a request larger than it takes it and
+    the never-used range behind it (on its stream), and a full range says so,
+    not that the limit was reached."""
+    p = VMMPool(emulate=True, reserve=64 * MiB)
+    try:
+        a = p.allocate(32 * MiB)
+        p.deallocate(a)
+        b = p.allocate(48 * MiB)  # the free 32 MiB at the end + 16 MiB never cut
+        assert b == a
+        with pytest.raises(ump.OutOfMemoryError, match="address range of 67108864 bytes has no "
+                                                        "free 33554432 bytes") as err:
+            p.allocate(32 * MiB)
+        assert "limit" not in str(err.value) and err.value.cuda_error == "UMP_ERR_ARG"
+        p.deallocate(b)
+        # Freed on stream 0, wanted on stream 1 and the range has no room
+        # left: after the device-wide wait the whole range serves stream 1.
+        c = p.allocate(64 * MiB, stream=1)
+        assert c == a
+        p.deallocate(c)
+    finally:
+        p.close()
+
+
+def test_a_free_last_block_of_another_stream_does_not_grow():
+    """Stream order: while the range has room, a block freed on stream 1 is
+    not handed to stream 2, not even grown."""
+    p = VMMPool(emulate=True, reserve=128 * MiB)
+    try:
+        a = p.allocate(32 * MiB, stream=1)
+        p.deallocate(a)
+        b = p.allocate(48 * MiB, stream=2)
+        assert b == a + 32 * MiB
+        c = p.allocate(40 * MiB, stream=1)  # nor does it grow over stream 2's block
+        assert c == b + 48 * MiB
+        for ptr in (b, c):
+            p.deallocate(ptr)
+    finally:
+        p.close()
+
+
+def test_sizes_that_wrap_around_the_address_space_are_refused(pool):
+    """ctypes passes -1 as 2**64 - 1: ptr + size wraps, and the C walked its
+    granule map far past its end."""
+    a = pool.allocate(4 * MiB)  # the range's first block
+    for bad in (-1, 0, 1.5, True):
+        with pytest.raises(ValueError, match="size"):
+            pool.device_of(a, bad)
+        with pytest.raises(ValueError, match="size"):
+            pool.migrate(a, bad, 0)
+    for ptr, size in ((a, 2**64 - 1), (a + 4096, 2**64 - 4096), (a + GRAN, 2**64 - 1)):
+        assert _core.vmm_device_of(pool.id, ptr, size) == _core.ERR_ARG
+        assert _core.vmm_migrate(pool.id, ptr, size, 0) == _core.ERR_ARG
+    assert pool.device_of(a, 4 * MiB) == 0  # what is right still answers
+    pool.deallocate(a)
+
+
+def _fork():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+        return os.fork()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_cannot_allocate_from_its_parents_emulated_pool(pool):
+    """The child's copy of the pool maps the parent's memfds (MAP_SHARED): a
+    block it handed out, or a handle it moved, would be the parent's memory.
+    It refuses, as a device pool's copy does; a pool the child makes works."""
+    a = pool.allocate(GRAN)
+    pool.deallocate(a)  # its granule stays mapped: a block there needs no mapping
+    pid = _fork()
+    if pid == 0:
+        code = 99
+        try:
+            failed = 0
+            for i, call in enumerate([lambda: pool.allocate(4096), lambda: pool.allocate(64 * MiB),
+                                      lambda: pool.ring(GRAN), lambda: pool.buffer(GRAN, GRAN),
+                                      pool.trim]):
+                try:
+                    call()
+                except ump.UmpError as err:
+                    failed |= (err.cuda_error != "UMP_ERR_FORKED") << i
+                else:
+                    failed |= 1 << i
+            own = VMMPool(emulate=True, reserve=64 * MiB)
+            ptr = own.allocate(GRAN)
+            ctypes.memset(ptr, 7, GRAN)
+            failed |= (not _check(ptr, GRAN, 7)) << 5
+            own.deallocate(ptr)
+            own.close()
+            code = failed
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    b = pool.allocate(4096)
+    assert b == a  # the parent's pool is as it was
+    pool.deallocate(b)
+
+
+def test_a_pool_that_fails_to_open_releases_the_primary_context(monkeypatch):
+    """VMMPool retains its device's primary context; a bad limit or a full
+    pool table must not leave it retained. Driver and probe are faked, so
+    this runs without a GPU."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from ump import _vmm
+
+    ok = driver.CUresult.CUDA_SUCCESS
+    held = []
+    gpu = types.SimpleNamespace(name="fake GPU", vmm_supported=True, total_memory=16 << 30)
+    monkeypatch.setattr(_vmm, "probe", lambda: types.SimpleNamespace(gpu=True, reason="", devices=[gpu]))
+    monkeypatch.setattr(_core, "cuda_load", lambda *args: 0)
+    monkeypatch.setattr(driver, "cuDeviceGet", lambda i: (ok, i))
+    monkeypatch.setattr(driver, "cuDevicePrimaryCtxRetain", lambda d: (held.append(d), (ok, 0x1000))[1])
+    monkeypatch.setattr(driver, "cuDevicePrimaryCtxRelease", lambda d: (held.remove(d), (ok,))[1])
+    with pytest.raises(ValueError, match="fraction"):
+        VMMPool(0, limit=1.5)
+    with pytest.raises(ValueError, match="limit"):
+        VMMPool(0, limit=-1)
+    assert held == []
+    # the C side refuses (a 17th pool): nothing real is created with the fake context
+    monkeypatch.setattr(_core, "vmm_create", lambda *args: -1)
+    monkeypatch.setattr(_core, "last_status", lambda: _core.ERR_ARG)
+    with pytest.raises(ump.UmpError, match=f"at most {_core.MAX_POOLS} pools"):
+        VMMPool(0)
+    assert held == []

@@ -370,3 +370,92 @@ def test_a_view_failing_half_way_leaks_nothing(pool, make):
         pytest.fail("every attempt failed")
     assert st.rollbacks > before.rollbacks
     pool.deallocate(blk)
+
+
+# --- what a peer sends is checked before anything is mapped ---------------------
+
+def test_a_handle_claiming_more_than_its_memory_is_refused(pool):
+    """The import maps nbytes (checked against the memfd) but its arrays span
+    size: a size past nbytes would write beyond the mapping, into whatever
+    lies behind it."""
+    mem = pool.allocate_shared(GRAN)
+    meta = dict(granularity=GRAN, device=0, emulated=True)
+    with mem.export() as good:
+        for size in (2 * GRAN, GRAN + 1, 0, -1):
+            bad = ump.ExportHandle(os.dup(good.fd), size=size, nbytes=GRAN, **meta)
+            with bad, pytest.raises(ump.UmpError, match=rf"size \({size} bytes\).*\({GRAN} bytes\)"):
+                pool.import_handle(bad)
+        st = pool.statistics()
+        assert (st.views, st.imported_bytes) == (1, 0)  # nothing was mapped
+        with ump.ExportHandle(os.dup(good.fd), size=GRAN - 1, nbytes=GRAN, **meta) as fits, \
+                pool.import_handle(fits) as other:
+            assert other.nbytes == GRAN - 1 and other.array().nbytes == GRAN - 1
+    mem.close()
+
+
+def _memfds(name: str) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name}")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("msg", [b"[]", b"3", b"null", b'"handle"', b"[" * 3000,
+                                 b'{"size": Infinity, "nbytes": 1, "granularity": 1, "device": 0, '
+                                 b'"emulated": true, "pid": 1}',
+                                 b'{"size": 1, "nbytes": 1, "granularity": 1, "device": 0, '
+                                 b'"emulated": true, "pid": 1, "event": 5}'])
+def test_a_malformed_description_is_refused_and_its_descriptor_closed(msg):
+    """Valid JSON that is not a handle's description (not an object, a size
+    of Infinity, an event that is not hex, nesting too deep to parse): an
+    UmpError, and the file descriptor that came with it is closed."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd = os.memfd_create("ump-test-received")
+    with ump.share.Connection(a) as sender, ump.share.Connection(b) as receiver:
+        socket.send_fds(sender._sock, [msg], [fd])
+        os.close(fd)  # the one in flight is the receiver's to close
+        with pytest.raises(ump.UmpError, match="malformed export handle"):
+            receiver.recv()
+        assert _memfds("ump-test-received") == 0
+
+
+def _import_in_fork(handle, conn):
+    mem = ump.import_handle(handle)
+    handle.close()
+    conn.send(bool((mem.array()[:4] == 9).all()))
+    mem.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*fork:DeprecationWarning")  # 3.12+: fork with threads
+def test_a_forked_child_imports_through_a_pool_of_its_own(pool):
+    """The parent's importing pool is inherited by a forked child, which must
+    not map into it (its handles are the parent's); the child's import makes a
+    pool of its own."""
+    mem = pool.allocate_shared(GRAN)
+    mem.array()[:] = 9
+    with mem.export() as handle:
+        ump.import_handle(handle).close()  # the parent now has an importing pool
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_import_in_fork, args=(handle, child))
+        proc.start()
+        assert parent.poll(CHILD_TIMEOUT), "the forked child did not answer"
+        assert parent.recv() is True
+        proc.join(CHILD_TIMEOUT)
+    assert proc.exitcode == 0
+    proc.close()
+    parent.close()
+    child.close()
+    mem.close()
+
+
+def test_device_of_a_view_stays_inside_it(pool):
+    ring = pool.ring(GRAN)
+    assert ring.device_of(0, 2 * GRAN) == 0 and ring.device_of(2 * GRAN - 1) == 0
+    for offset, size in ((2 * GRAN, 1), (GRAN, GRAN + 1), (-1, 1), (0, 0), (0, -1)):
+        with pytest.raises(ValueError):
+            ring.device_of(offset, size)
+    ring.close()

@@ -76,16 +76,21 @@ class ExportHandle(Resource):
                 "event": self.event.hex() if self.event is not None else None}
 
     @classmethod
-    def _from_meta(cls, fd: int, meta: dict) -> "ExportHandle":
+    def _from_meta(cls, fd: int, meta) -> "ExportHandle":
+        """A handle owning ``fd`` from a peer's description; on any error
+        the fd is closed and UmpError raised."""
         try:
+            if not isinstance(meta, dict):
+                raise TypeError(f"expected a JSON object, got {type(meta).__name__}")
             event = meta.get("event")
-            return cls(fd, size=int(meta["size"]), nbytes=int(meta["nbytes"]),
-                       granularity=int(meta["granularity"]), device=int(meta["device"]),
-                       emulated=bool(meta["emulated"]), pid=int(meta["pid"]),
-                       event=bytes.fromhex(event) if event is not None else None)
-        except (KeyError, TypeError, ValueError) as err:
+            fields = dict(size=int(meta["size"]), nbytes=int(meta["nbytes"]),
+                          granularity=int(meta["granularity"]), device=int(meta["device"]),
+                          emulated=bool(meta["emulated"]), pid=int(meta["pid"]),
+                          event=bytes.fromhex(event) if event is not None else None)
+        except Exception as err:  # KeyError, TypeError, ValueError, OverflowError (Infinity), ...
             os.close(fd)
-            raise UmpError(f"a malformed export handle: {err}") from err
+            raise UmpError(f"a malformed export handle: {err!r}") from err
+        return cls(fd, **fields)
 
     @property
     def fd(self) -> int:
@@ -117,6 +122,11 @@ class ExportHandle(Resource):
         if self.granularity != pool.granularity or self.nbytes % pool.granularity:
             raise UmpError(f"the handle's granularity ({self.granularity} bytes, {self.nbytes} bytes "
                            f"in all) does not match the pool's ({pool.granularity} bytes)")
+        # The import maps nbytes (checked against the memory) and its arrays
+        # span size: a larger size would reach memory that is not the handle's.
+        if not (type(self.size) is int and type(self.nbytes) is int and 0 < self.size <= self.nbytes):
+            raise UmpError(f"the handle's size ({self.size} bytes) must be positive and at most "
+                           f"the memory behind it ({self.nbytes} bytes)")
         return fd
 
     def close(self) -> None:
@@ -136,6 +146,18 @@ def _rebuild_handle(dup, meta: dict) -> ExportHandle:
 
 _importers: dict = {}
 _importers_lock = threading.Lock()
+
+
+def _forget_importers() -> None:
+    """In a forked child: the parent's pools refuse to map (csrc/vmm.c), so
+    the child's imports get pools of their own."""
+    global _importers_lock
+    _importers.clear()
+    _importers_lock = threading.Lock()  # another thread may have held it at fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_importers)
 
 
 def import_handle(handle: ExportHandle, pool=None, *, stream: int = 0):
@@ -284,10 +306,10 @@ class Connection(Resource):
             raise UmpError(f"expected one export handle, received {len(fds)} file descriptor(s)")
         try:
             meta = json.loads(msg)
-        except ValueError as err:
+        except Exception as err:  # ValueError; RecursionError for deep nesting
             os.close(fds[0])
             raise UmpError("a malformed export handle") from err
-        return ExportHandle._from_meta(fds[0], meta)
+        return ExportHandle._from_meta(fds[0], meta)  # closes the fd if it raises
 
     def fileno(self) -> int:
         return self._sock.fileno()

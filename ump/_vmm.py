@@ -168,42 +168,61 @@ class VMMPool:
                                     or not 0 < reserve <= 1 << 48):
             raise ValueError(f"reserve must be a positive number of bytes up to 2**48, got {reserve!r}")
         if self.emulated:
-            ctx, self.device_memory = 0, 16 << 30
+            self.device_memory = 16 << 30
             provider = _core.PROVIDER_HOST
         else:
-            ctx, self.device_memory = self._open_device()
+            self.device_memory = self._check_device()
             provider = _core.PROVIDER_DEVICE
         self._limit_arg = limit
         limit_bytes = self._limit_bytes(limit)
         if reserve is None:
             reserve = RESERVE_FACTOR * self.device_memory
-        pool_id = _core.vmm_create(provider, self.device, ctx, reserve, limit_bytes)
-        if pool_id < 0:
-            status = _core.last_status() or _core.ERR_ARG
-            hint = (f": at most {MAX_POOLS} pools may exist at once (close() unused ones)"
-                    if status == _core.ERR_ARG else "")
-            _core.check(status, f"creating a VMM pool on device {self.device}{hint}")
+        ctx = 0 if self.emulated else self._retain()  # after every check that may raise
+        try:
+            pool_id = _core.vmm_create(provider, self.device, ctx, reserve, limit_bytes)
+            if pool_id < 0:
+                status = _core.last_status() or _core.ERR_ARG
+                hint = (f": at most {MAX_POOLS} pools may exist at once (close() unused ones)"
+                        if status == _core.ERR_ARG else "")
+                _core.check(status, f"creating a VMM pool on device {self.device}{hint}")
+        except BaseException:
+            self._release()
+            raise
         self._id = pool_id
         with _pools_lock:
             _pools[pool_id] = self
         self._closed = False
         self._fast = None  # CuPy's callables, bound at the first malloc
-        self.granularity = self.statistics().granularity
+        st = self.statistics()
+        self.granularity = st.granularity
+        self._range_bytes = st.reserved_bytes  # the main range: no buffer or view yet
 
-    def _open_device(self) -> tuple[int, int]:
+    def _check_device(self) -> int:
+        """The device's memory in bytes, once it is known to run a pool."""
         caps = probe()
         if not caps.gpu:
             raise UmpError(f"a VMM pool needs a CUDA device ({caps.reason})")
-        from cuda.bindings import driver  # importable: the probe found the GPU through it
-
         info = device_info(caps, self.device)
         if not info.vmm_supported:
             raise UmpError(f"{info.name} (device {self.device}) does not support virtual memory management")
+        return info.total_memory
+
+    def _retain(self) -> int:
+        """Retain the device's primary context for the pool; close() releases it."""
+        from cuda.bindings import driver  # importable: the probe found the GPU through it
+
         _core.cuda_load()
         dev = _call(driver.cuDeviceGet, self.device)
         ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
-        self._retained = dev  # released by close()
-        return int(ctx), info.total_memory
+        self._retained = dev
+        return int(ctx)
+
+    def _release(self) -> None:
+        dev, self._retained = self._retained, None
+        if dev is not None:
+            from cuda.bindings import driver
+
+            _call(driver.cuDevicePrimaryCtxRelease, dev)
 
     def _limit_bytes(self, limit) -> int:
         if limit is None:
@@ -234,6 +253,8 @@ class VMMPool:
         ------
         OutOfMemoryError
             The limit, the device or the address range is exhausted.
+        UmpError
+            The pool is closed, or was made before ``fork()`` in a child.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"allocation size must be a non-negative int, got {size!r}")
@@ -244,9 +265,16 @@ class VMMPool:
             where = "emulated pool" if self.emulated else f"VMM pool on device {self.device}"
             if status == _core.ERR_HANDLE:  # closed by another thread meanwhile
                 raise UmpError(f"{where}: the pool is closed", name)
-            if status == _core.ERR_ARG:  # larger than the reservation
+            if status == _core.ERR_FORKED:
+                raise UmpError(f"{where} was made before fork(): a child cannot allocate from "
+                               "it (its memory is the parent's); make a pool in the child", name)
+            if status == _core.ERR_ARG and size > self._range_bytes:
                 raise OutOfMemoryError(f"{where}: {size} bytes exceed the reserved address range "
-                                       f"of {self.statistics().reserved_bytes} bytes", name)
+                                       f"of {self._range_bytes} bytes", name)
+            if status == _core.ERR_ARG:  # blocks never move: the range is used up
+                raise OutOfMemoryError(f"{where}: the reserved address range of {self._range_bytes} "
+                                       f"bytes has no free {size} bytes left (live blocks fill it; "
+                                       "free some, or reserve more)", name)
             limit = self.get_limit()
             detail = f" (limit {limit} bytes)" if limit else ""
             raise OutOfMemoryError(f"{where}: cannot allocate {size} bytes{detail}", name)
@@ -364,33 +392,20 @@ class VMMPool:
                                    "(cuDeviceCanAccessPeer is 0)")
         _core.check(_core.vmm_grant(self.id, device), f"granting device {device} access to the pool")
 
-    def _synchronize_devices(self) -> None:
-        if self.emulated:
-            return
-        from cuda.bindings import driver
-
-        for d in self.devices:
-            dev = _call(driver.cuDeviceGet, d)
-            ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
-            _call(driver.cuCtxPushCurrent, ctx)
-            try:
-                _call(driver.cuCtxSynchronize)
-            finally:
-                _call(driver.cuCtxPopCurrent)
-                _call(driver.cuDevicePrimaryCtxRelease, dev)
-
     def migrate(self, ptr: int, size: int, device: int) -> None:
         """Move the physical memory under ``[ptr, ptr+size)`` to ``device``,
         keeping its addresses: every device of the pool keeps access, and
         the device is granted access first. Whole physical chunks move, so
-        neighbouring small blocks in them move too."""
+        neighbouring small blocks in them move too. Waits for every device
+        of the pool first: no kernel may use the pages meanwhile."""
+        size = _positive(size, "size")
         self.grant(device)
-        self._synchronize_devices()  # no kernel on any device may use the pages
         _core.check(_core.vmm_migrate(self.id, ptr, size, device),
                     f"migrating {size} bytes at {ptr:#x} to device {device}")
 
     def device_of(self, ptr: int, size: int = 1) -> int:
         """The device whose memory backs ``[ptr, ptr+size)``; -1 if mixed."""
+        size = _positive(size, "size")
         dev = _core.vmm_device_of(self.id, ptr, size)
         if dev < -1:
             raise ValueError(f"[{ptr:#x}, +{size}) is not mapped memory of this pool")
@@ -463,7 +478,7 @@ class VMMPool:
                            f"({handle.nbytes} bytes exported by pid {handle.pid}): a foreign or stale "
                            "handle", _core.error_name(_core.ERR_HANDLE))
         mem = self._view(view, "imported", f"importing {handle.nbytes} bytes from pid {handle.pid}",
-                         handle.size)
+                         handle.size)  # at most nbytes: _importable_by checked
         # CUDA's IPC handles are for other processes (a memory handle fails
         # to open in its own process; events are not relied on to differ):
         # within one process the exporter's stream order is the caller's.
@@ -546,6 +561,9 @@ class VMMPool:
         if self._closed:
             return
         status = _core.vmm_destroy(self._id)
+        if status == _core.ERR_FORKED:
+            raise UmpError("this pool was made before fork(): a child cannot close it (its "
+                           "memory is the parent's)", _core.error_name(status))
         if status:
             st = self.statistics()
             raise UmpError(f"the pool still has {st.current_count} live block(s), buffers or "
@@ -553,11 +571,7 @@ class VMMPool:
         self._closed = True
         with _pools_lock:
             _pools.pop(self._id, None)
-        dev, self._retained = self._retained, None
-        if dev is not None:
-            from cuda.bindings import driver
-
-            _call(driver.cuDevicePrimaryCtxRelease, dev)
+        self._release()
 
 
 class GrowableBuffer(Resource):
@@ -725,6 +739,10 @@ class MappedMemory(Resource):
     def device_of(self, offset: int = 0, size: int = 1) -> int:
         """The device whose memory backs ``[ptr+offset, ptr+offset+size)``; -1 if mixed."""
         self._check_open()
+        size = _positive(size, "size")
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= self.nbytes - size:
+            raise ValueError(f"[{offset!r}, +{size}) is not inside this {self.kind} memory's "
+                             f"{self.nbytes} bytes")
         return self.pool.device_of(self.ptr + offset, size)
 
     def export(self, *, stream: int | None = None):

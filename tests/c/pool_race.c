@@ -9,6 +9,7 @@
  * that reached the pool just before it was destroyed must not touch its
  * freed state. Lookups go on until the pool is destroyed, and after, so that
  * some hold their pin across the destroy and free the slot themselves.
+ * First, single-threaded, the ends of a pool's range (edges()).
  * Exits non-zero on any error.
  *
  * cc -fsanitize=thread -pthread csrc/{common,arena,cuda,vmm,lookup}.c tests/c/pool_race.c -ldl
@@ -244,8 +245,28 @@ static void round_trip(void)
     CHECK(ump_vmm_stats(INT_MAX, &st) == UMP_ERR_ARG);
 }
 
+/* A free last block grows into the unused rest of the range; a full range
+ * is UMP_ERR_ARG, not the limit's UMP_ERR_CAP; a size that wraps past the
+ * end of the address space is refused before a granule is read. */
+static void edges(void)
+{
+    int p = ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, 64 * MiB, 0);
+    CHECK(p >= 0);
+    uintptr_t a = ump_vmm_alloc(p, 32 * MiB, 0);
+    CHECK(a && ump_vmm_free(p, a) == UMP_OK);
+    uintptr_t b = ump_vmm_alloc(p, 48 * MiB, 0);
+    CHECK(b == a);
+    CHECK(ump_vmm_alloc(p, 32 * MiB, 0) == 0 && ump_last_status() == UMP_ERR_ARG);
+    CHECK(ump_vmm_device_of(p, b, UINT64_MAX) == UMP_ERR_ARG);
+    CHECK(ump_vmm_device_of(p, b + 4096, UINT64_MAX - 4095) == UMP_ERR_ARG);
+    CHECK(ump_vmm_migrate(p, b, UINT64_MAX, 0) == UMP_ERR_ARG);
+    CHECK(ump_vmm_device_of(p, b, 48 * MiB) == 0);
+    CHECK(ump_vmm_free(p, b) == UMP_OK && ump_vmm_destroy(p) == UMP_OK);
+}
+
 int main(int argc, char **argv)
 {
+    edges();
     long rounds = argc > 1 ? atol(argv[1]) : 200;
     CHECK(pthread_barrier_init(&warm, NULL, RACERS + 1) == 0);
     for (long r = 0; r < rounds; r++)
