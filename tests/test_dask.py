@@ -107,6 +107,39 @@ def test_plugin_enables_every_worker(cpu_only):
         assert _task_kinds(client) == {(None, None)}
 
 
+def test_plugin_in_a_process_of_two_workers_outlives_retiring_one(cpu_only):
+    """Two workers in this process (processes=False) share one ump: retiring
+    one tears its plugin down, and the other's tasks still get ump memory.
+    The last teardown disables ump."""
+    with distributed.LocalCluster(n_workers=2, processes=False, threads_per_worker=1,
+                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as client:
+        client.register_plugin(ump_dask.UmpPlugin("host", cap=1 << 30))
+        assert ump.backend() == "host"
+        assert _task_kinds(client) == {("host", "host")}
+        first = sorted(client.scheduler_info()["workers"])[0]
+        client.retire_workers([first], close_workers=True)
+        deadline = time.monotonic() + 30
+        while len(client.scheduler_info()["workers"]) > 1 or len(cluster.scheduler.workers) > 1:
+            assert time.monotonic() < deadline, "the retired worker did not leave"
+            time.sleep(0.05)
+        assert ump.backend() == "host"
+        assert _task_kinds(client) == {("host", "host")}
+    assert not ump.is_enabled()
+
+
+def test_plugin_leaves_ump_enabled_where_it_was_before(cpu_only):
+    """The plugin disables only what it enabled: ump enabled in this process
+    before the workers' plugins stays enabled after their teardown."""
+    ump.enable("host", cap=1 << 30)
+    with distributed.LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
+                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as client:
+        client.register_plugin(ump_dask.UmpPlugin("host", cap=1 << 30))
+        assert _task_kinds(client, 2) == {("host", "host")}
+        client.unregister_worker_plugin(ump_dask.PLUGIN_NAME)
+        assert ump.is_enabled()
+    assert ump.is_enabled() and ump.kind_of(np.ones(100)) == "host"
+
+
 def test_plugin_failure_is_reported(cpu_only):
     with pytest.raises(ValueError, match="unknown|backend"):
         ump_dask.UmpPlugin("no-such-backend")

@@ -7,15 +7,18 @@ Without a GPU ``backend="auto"`` picks ``host``; with one, these tests use
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
+import os
 import subprocess
 import sys
 import threading
+import types
 
 import numpy as np
 import pytest
 
 import ump
-from ump import _core, _numpy_hook
+from ump import _core, _cupy_compat, _enable, _numpy_hook, _probe, backends
 
 handler_name = np._core.multiarray.get_handler_name
 
@@ -291,3 +294,186 @@ def test_a_cap_beyond_free_device_memory_warns():
     assert _enable._budgets(backends.MANAGED, ump.Options(cap=8 << 30), (free, total))[:2] == (8 << 30, 8 << 30)
     # the device backend's pool is device memory: a large limit only fails allocations
     assert _enable._budgets(backends.DEVICE, ump.Options(cap=12 << 30), (free, total))[0] == 12 << 30
+
+
+# --- enable() on a GPU machine, simulated: every failure is an UmpError ---
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """enable() picks a GPU backend (pinned) on any machine; CuPy is an
+    object, loading libcuda does nothing, and no arena or context is kept."""
+    monkeypatch.setattr(backends, "select", lambda backend, caps, device=0: backends.PINNED)
+    monkeypatch.setattr(_cupy_compat, "import_cupy", lambda: object())
+    monkeypatch.setattr(_core, "cuda_load", lambda: None)
+    monkeypatch.setattr(_core, "cuda_set_context", lambda ctx, device: pytest.fail("no context to set"))
+    monkeypatch.setattr(_enable, "_contexts", {})
+
+
+@pytest.fixture
+def full_gpu(monkeypatch):
+    """cuda.bindings.driver, as a GPU too full for a context answers."""
+    driver = types.ModuleType("cuda.bindings.driver")
+    driver.CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
+
+    def cuGetErrorName(err):
+        return 0, b"CUDA_ERROR_OUT_OF_MEMORY"
+
+    def cuDeviceGet(index):
+        return 0, index
+
+    def cuDevicePrimaryCtxRetain(dev):
+        return 2, None  # CUDA_ERROR_OUT_OF_MEMORY
+
+    driver.cuGetErrorName, driver.cuDeviceGet = cuGetErrorName, cuDeviceGet
+    driver.cuDevicePrimaryCtxRetain = cuDevicePrimaryCtxRetain
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    for name, module in (("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_enable_needs_cupy_enable_ump_but_the_launcher_does_not(fake_gpu, monkeypatch):
+    """ump.enable() keeps its check; python -m ump run's enable skips it
+    and sets no variable. CuPy missing is an UmpError that says so."""
+    monkeypatch.delenv("CUPY_ENABLE_UMP", raising=False)
+
+    def no_cupy():
+        raise ModuleNotFoundError("No module named 'cupy'", name="cupy")
+
+    monkeypatch.setattr(_cupy_compat, "import_cupy", no_cupy)
+    with pytest.raises(ump.UmpError, match="CUPY_ENABLE_UMP=1 is not set"):
+        ump.enable("pinned")
+    with pytest.raises(ump.UmpError, match="pinned backend needs CuPy, which is not installed: pip install") as info:
+        _enable.enable_from_launcher("pinned")
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    assert "CUPY_ENABLE_UMP" not in os.environ and not ump.is_enabled()
+
+
+def test_a_cupy_that_fails_to_import_is_an_ump_error(fake_gpu, monkeypatch):
+    monkeypatch.setenv("CUPY_ENABLE_UMP", "1")
+
+    def broken():
+        raise OSError("libnvrtc.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(_cupy_compat, "import_cupy", broken)
+    with pytest.raises(ump.UmpError, match="needs CuPy, which failed to import: OSError: libnvrtc"):
+        ump.enable("pinned")
+    assert not ump.is_enabled()
+
+
+def test_a_gpu_without_room_for_a_context_is_an_ump_error(fake_gpu, full_gpu, monkeypatch):
+    """The driver's error reaches the user as an UmpError naming it, not
+    as ump's private driver error, and nothing stays enabled."""
+    monkeypatch.setenv("CUPY_ENABLE_UMP", "1")
+    with pytest.raises(ump.UmpError, match="setting up the CUDA context of device 0: the GPU has no room") as info:
+        ump.enable("pinned")
+    err = info.value
+    assert err.cuda_error == "CUDA_ERROR_OUT_OF_MEMORY" and str(err).endswith("(CUDA_ERROR_OUT_OF_MEMORY)")
+    assert "cuDevicePrimaryCtxRetain failed" in err.message
+    assert isinstance(err.__cause__, _probe._DriverError) and isinstance(err.__cause__, ump.UmpError)
+    assert not ump.is_enabled() and _enable._contexts == {}
+
+
+def test_the_launcher_reports_a_failing_driver_in_one_line(fake_gpu, full_gpu, monkeypatch, tmp_path, capsys):
+    from ump import _launch
+    from ump.__main__ import main
+
+    for var in ("CUPY_ENABLE_UMP", *_launch.ENV_OPTIONS):
+        monkeypatch.delenv(var, raising=False)
+    script = tmp_path / "x.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    with pytest.raises(SystemExit) as info:
+        main(["run", str(script)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m ump: error: run: setting up the CUDA context of device 0")
+    assert err.rstrip().endswith("(CUDA_ERROR_OUT_OF_MEMORY)") and "Traceback" not in err
+
+
+# --- threads ---
+
+def _in_a_thread(fn):
+    result = {}
+
+    def call():
+        try:
+            result["value"] = fn()
+        except BaseException as err:  # handed to the test
+            result["error"] = err
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join()
+    return result
+
+
+def test_disable_from_another_thread_is_refused_while_the_enabling_thread_runs(cpu_only):
+    """NumPy's handler is per thread: only the thread that called enable()
+    can put its own back. Another thread's disable() raises and changes
+    nothing."""
+    ump.enable()
+    got = _in_a_thread(ump.disable)
+    assert isinstance(got.get("error"), ump.UmpError), got
+    assert "must be called from the thread that called ump.enable() (MainThread)" in str(got["error"])
+    assert ump.is_enabled() and handler_name() == "ump" and ump.kind_of(np.ones(100)) == "host"
+    assert ump.disable() is True
+    assert handler_name() == "default_allocator" and ump.kind_of(np.ones(100)) is None
+
+
+def test_any_thread_may_disable_once_the_enabling_thread_ended(cpu_only):
+    got = _in_a_thread(ump.enable)
+    assert got == {"value": "host"} and handler_name() == "default_allocator"  # this thread never had it
+    assert ump.disable() is True and not ump.is_enabled()
+    assert handler_name() == "default_allocator"
+
+
+def test_disable_restores_this_threads_handler_whatever_other_threads_did(cpu_only):
+    """numpy_allocator's __enter__/__exit__ keep the handlers to restore on
+    one list all threads share: a thread started under ump and still
+    running at disable() must not hand the enabling thread its handler."""
+    import numpy_allocator
+
+    mine = numpy_allocator.type("mine", (), {})  # NumPy's functions, under another name
+    release = threading.Event()
+    seen = []
+    with mine:
+        ump.enable()
+        t = threading.Thread(target=lambda: (seen.append(handler_name()), release.wait(10)))
+        t.start()
+        try:
+            ump.disable()
+            assert handler_name() == "mine"
+        finally:
+            release.set()
+            t.join()
+        assert seen == ["ump"]
+    assert handler_name() == "default_allocator"
+
+
+def _context_thread(target):
+    """A thread that runs in a context of its own, empty, as Python 3.14
+    runs threads (without -X thread_inherit_context)."""
+    if sys.version_info >= (3, 14):
+        return threading.Thread(target=target, context=contextvars.Context())
+
+    class ContextThread(threading.Thread):  # 3.14's Thread, for earlier versions
+        def start(self):
+            self._context = contextvars.Context()
+            super().start()
+
+        def run(self):
+            self._context.run(super().run)
+
+    return ContextThread(target=target)
+
+
+def test_threads_that_run_in_a_context_of_their_own_allocate_through_ump(cpu_only):
+    ump.enable()
+    seen = {}
+    t = _context_thread(lambda: seen.update(name=handler_name(), kind=ump.kind_of(np.ones(100))))
+    t.start()
+    t.join()
+    assert seen == {"name": "ump", "kind": "host"}
+    assert t._context.run(handler_name) == "default_allocator"  # put back when the thread ended

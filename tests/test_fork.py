@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import types
 import warnings
 
 import pytest
@@ -92,3 +93,75 @@ def test_child_forked_while_a_thread_holds_a_pool_lock_finishes():
     pool.deallocate(grown[0])
     pool.deallocate(inherited)
     pool.close()
+
+
+class _FakeCupyHook:
+    """What disable() reaches of a CuPy hook, recording whether its
+    uninstall may call CUDA."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.pool = types.SimpleNamespace(used_bytes=lambda: 0)
+
+    def uninstall(self, cuda=True):
+        self.calls.append(f"uninstall(cuda={cuda})")
+
+
+def test_a_cupy_hook_uninstalled_without_cuda_only_puts_cupy_back():
+    # Each of a full uninstall's other steps calls CUDA: the placement's
+    # advice, the wait for the device, the pool's frees.
+    from ump._cupy_hook import CupyHook
+
+    calls = []
+    hook = object.__new__(CupyHook)
+    hook.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        set_allocator=lambda allocator: calls.append(f"set_allocator({allocator})")))
+    hook._saved_allocator = "CuPy's allocator"
+    hook._patches = types.SimpleNamespace(restore=lambda: calls.append("patches restored"))
+    hook.placement = types.SimpleNamespace(close=lambda: calls.append("placement closed"))
+    hook.release = types.SimpleNamespace(wait_for=lambda: calls.append("device waited for"))
+    hook.pool = types.SimpleNamespace(free_all_blocks=lambda: calls.append("pool freed"))
+    hook.uninstall(cuda=False)
+    assert calls == ["set_allocator(CuPy's allocator)", "patches restored"]
+    calls.clear()
+    hook.uninstall()
+    assert calls == ["set_allocator(CuPy's allocator)", "placement closed", "patches restored",
+                     "device waited for", "pool freed"]
+
+
+def test_disable_in_a_forked_child_restores_the_allocators_without_cuda(caps):
+    """The guide: a forked child never calls CUDA. disable() there puts
+    CuPy's allocator and methods and NumPy's handler back without the
+    device waits of a full uninstall; the parent's hook is untouched."""
+    if caps.gpu:
+        pytest.skip("the host backend runs only on machines without a GPU")
+    import ump
+    from ump import _enable
+    from ump._numpy_hook import handler_name
+
+    ump.enable("host")
+    calls = []
+    state = _enable.current()
+    state.cupy = _FakeCupyHook(calls)
+    try:
+        pid = _fork()
+        if pid == 0:
+            code = 1
+            try:
+                checks = (
+                    ump.disable() is True,
+                    calls == ["uninstall(cuda=False)"],
+                    handler_name() == "default_allocator" and not ump.is_enabled(),
+                )
+                code = next((i + 10 for i, ok in enumerate(checks) if not ok), 0)
+            finally:
+                os._exit(code)
+        code = _wait(pid, CHILD_TIMEOUT)
+        if code is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    finally:
+        state.cupy = None
+    assert code == 0, {10: "disable() failed", 11: "the child's uninstall may call CUDA",
+                       12: "NumPy's handler was not restored"}.get(code, code)
+    assert calls == [] and ump.is_enabled()  # the parent's state is its own

@@ -63,15 +63,26 @@ def test_enable_after_cupy_was_imported(gpu_caps, cupy_env):
     assert run.stdout.split()[0] in ("managed", "pinned", "system")
 
 
+CHILD = """
+    import os, subprocess
+    child = "import os, cupy; print(os.environ.get('CUPY_ENABLE_UMP'), cupy.array([1, 2, 3]).tolist())"
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+    print(os.environ.get("CUPY_ENABLE_UMP"), out.strip())
+"""
+
+
 def test_launcher_runs_a_script_zero_copy(gpu_caps, tmp_path):
+    """Without CUPY_ENABLE_UMP=1, which the launcher neither needs nor sets:
+    a child process of the program, without ump, runs stock CuPy, whose own
+    UMP path (it asserts on GPUs without HMM/ATS) stays off."""
     script = tmp_path / "prog.py"
     script.write_text("import sys, numpy as np, cupy, ump\n" + textwrap.dedent(ROUND_TRIP)
-                      + "print(ump.backend(), sys.argv[1:])\n")
-    env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}  # the launcher sets it
+                      + textwrap.dedent(CHILD) + "print(ump.backend(), sys.argv[1:])\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
     run = subprocess.run([sys.executable, "-m", "ump", "run", "--backend", "pinned", "--cap", "2G",
                           str(script), "x", "--y"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip() == "pinned ['x', '--y']"
+    assert run.stdout.strip().splitlines() == ["None None [1, 2, 3]", "pinned ['x', '--y']"]
 
 
 def test_pytest_plugin_runs_a_suite_under_ump(gpu_caps, tmp_path):

@@ -24,6 +24,7 @@ def cpu_only(caps):
 def _run(args, cwd, env=None):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("UMP_")}
     environ.update(env or {})
+    environ = {k: v for k, v in environ.items() if v is not None}  # None: unset
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=environ,
                           timeout=120)
 
@@ -68,10 +69,31 @@ def test_run_script_errors_propagate(cpu_only, tmp_path):
     assert run.returncode == 1 and "KeyError: 'from the script'" in run.stderr
 
 
+CHILD_ENV = """
+    import os, subprocess, sys
+    print(os.environ.get("CUPY_ENABLE_UMP"))
+    child = "import os; print(os.environ.get('CUPY_ENABLE_UMP'))"
+    print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.strip())
+"""
+
+
+@pytest.mark.parametrize("value", [None, "1", "0"], ids=["unset", "1", "0"])
+def test_run_leaves_cupy_enable_ump_as_it_was(cpu_only, tmp_path, value):
+    """The launcher sets no CUPY_ENABLE_UMP: a child process, which starts
+    without ump, would take CuPy's own UMP path with it (it asserts on GPUs
+    without HMM/ATS). A value the user set stays as it was."""
+    (tmp_path / "prog.py").write_text(textwrap.dedent(CHILD_ENV))
+    run = _run(["-m", "ump", "run", "--cap", "64M", "prog.py"], tmp_path, env={"CUPY_ENABLE_UMP": value})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(value)] * 2  # the program's environment, its child's
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "name a script or -m MODULE"),
     (["missing.py"], "missing.py: no such file"),
     (["--cap", "lots", "x.py"], "'lots' is not a size"),
+    (["--cap", "1e400", "x.py"], "'1e400' is not a size"),
+    (["--cap", "inf", "x.py"], "'inf' is not a size"),
     (["--cap", "1", "x.py"], "smaller cap would send every array to plain memory"),
     (["--backend", "nosuch", "x.py"], "unknown backend 'nosuch'"),
     (["--device", "one", "x.py"], "device must be a device index"),
@@ -80,6 +102,12 @@ def test_run_bad_arguments_say_what_is_wrong(cpu_only, tmp_path, args, message):
     (tmp_path / "x.py").write_text("raise SystemExit('the script must not run')\n")
     run = _run(["-m", "ump", "run", *args], tmp_path)
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_run_non_finite_cap_from_the_environment_is_a_usage_error(cpu_only, tmp_path):
+    (tmp_path / "x.py").write_text("raise SystemExit('the script must not run')\n")
+    run = _run(["-m", "ump", "run", "x.py"], tmp_path, env={"UMP_CAP": "inf"})
+    assert run.returncode == 2 and "'inf' is not a size" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_pytest_plugin_enables_ump_in_every_worker(cpu_only, tmp_path):
@@ -121,6 +149,33 @@ def test_pytest_plugin_bad_options_are_usage_errors(cpu_only, tmp_path):
     assert "INTERNALERROR" not in run.stdout + run.stderr
 
 
+def test_pytest_plugin_loads_by_its_module_name(cpu_only, tmp_path):
+    """``-p ump.pytest_plugin`` names the plugin the entry point installs
+    (pytest registers an entry point's plugin under the entry point's name),
+    so it works whether or not ump is installed; ``-p no:ump.pytest_plugin``
+    turns it off."""
+    (tmp_path / "test_inner.py").write_text("import ump\n\ndef test_on():\n    assert ump.backend() == 'host'\n")
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "ump.pytest_plugin", "--ump=host",
+                str(tmp_path)], tmp_path)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:ump.pytest_plugin", "--ump=host",
+                str(tmp_path)], tmp_path)
+    assert run.returncode == 4 and "unrecognized arguments: --ump=host" in run.stderr, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("path", ["test_inner.py", "suite", "suite/"])
+def test_pytest_plugin_bare_flag_before_a_path_is_a_usage_error(cpu_only, tmp_path, path):
+    """``--ump tests/`` takes the path as ``--ump``'s value: the error says
+    to write ``--ump=BACKEND``, instead of calling the path a backend."""
+    (tmp_path / "test_inner.py").write_text("def test_nothing():\n    pass\n")
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "test_more.py").write_text("def test_nothing():\n    pass\n")
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--ump", path], tmp_path)
+    assert run.returncode == 4, run.stdout + run.stderr
+    assert f"--ump: {path!r} is not a backend but looks like a path" in run.stderr
+    assert "--ump=BACKEND" in run.stderr and "INTERNALERROR" not in run.stdout + run.stderr
+
+
 def test_pytest_plugin_is_off_without_the_flag(cpu_only, tmp_path):
     (tmp_path / "test_inner.py").write_text("import ump\n\ndef test_off():\n    assert ump.backend() is None\n")
     run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], tmp_path)
@@ -136,7 +191,7 @@ def test_parse_size(text, value):
     assert got == value and type(got) is type(value)
 
 
-@pytest.mark.parametrize("text", ["half", "1.5", "-2", "0.0", "4X"])
+@pytest.mark.parametrize("text", ["half", "1.5", "-2", "0.0", "4X", "inf", "-inf", "nan", "1e400"])
 def test_parse_size_refuses_what_is_neither(text):
     with pytest.raises(ValueError, match="is not a size"):
         _launch.parse_size(text)

@@ -20,7 +20,8 @@ def _cupy_enable_ump(gpu: bool) -> str:
     if value == "1":
         meaning = "as the GPU backends need" if gpu else "only the GPU backends use it"
     elif gpu:
-        meaning = "the GPU backends need it set to 1 before Python starts (export CUPY_ENABLE_UMP=1)"
+        meaning = ("the GPU backends need it set to 1 before Python starts (export CUPY_ENABLE_UMP=1), "
+                   "except under python -m ump run")
     else:
         meaning = "the host backend does not need it; the GPU backends need it set to 1"
     return f"CUPY_ENABLE_UMP: {state} ({meaning})"
@@ -66,7 +67,8 @@ def info(out=sys.stdout) -> int:
     else:
         w(f"enable() would choose: {chosen.name}")
         if chosen.uses_gpu and os.environ.get("CUPY_ENABLE_UMP") != "1":
-            w(", once CUPY_ENABLE_UMP=1 is set (until then it raises ump.UmpError)")
+            w(", once CUPY_ENABLE_UMP=1 is set (until then ump.enable() raises ump.UmpError; "
+              "python -m ump run needs no variable)")
         w("\n")
     return 0
 
@@ -145,7 +147,8 @@ def main(argv=None) -> int:
         "run", help="run a program with ump enabled: python -m ump run [options] script.py|-m module [args]",
         description="Enable ump, then run a script or module as __main__ (like python -m cProfile). "
                     "Options not given come from UMP_BACKEND, UMP_CAP, UMP_HEADROOM, UMP_PLACEMENT, "
-                    "UMP_SYNC, UMP_DEVICE; CUPY_ENABLE_UMP is set to 1 if unset.")
+                    "UMP_SYNC, UMP_DEVICE. CUPY_ENABLE_UMP=1 is not needed, and not set for the "
+                    "program or its child processes.")
     run.add_argument("--backend", help="auto (default), system, managed, pinned, device or host")
     run.add_argument("--cap", help="budget: bytes (4G, 512MiB; a whole number is bytes) or a fraction "
                                    "in (0, 1] of free device memory (0.5)")

@@ -461,9 +461,16 @@ class CupyHook:
         pool = self.pool if device == self.device else self.pool_for(device)
         return pool.malloc(size)
 
-    def uninstall(self):
+    def uninstall(self, cuda: bool = True):
+        """Put CuPy's allocator and methods back; with ``cuda`` False (a
+        forked child, which must not call CUDA) without the waits and the
+        clean-up, each of which calls CUDA: what they would release stays
+        with the process until it exits."""
         cupy = self.cupy
         cupy.cuda.set_allocator(self._saved_allocator)
+        if not cuda:
+            self._patches.restore()
+            return
         self.placement.close()
         self._patches.restore()
         # Not self.synchronize(): disable() must not fail half-way under

@@ -113,16 +113,22 @@ def _gpu_context(device: int) -> tuple[int, int, int]:
     free bytes, total bytes)."""
     from cuda.bindings import driver
 
-    from ._probe import _call
+    from ._probe import _call, _DriverError
 
-    ctx = _contexts.get(device)
-    if ctx is None:
-        ctx = _contexts[device] = _call(driver.cuDevicePrimaryCtxRetain, _call(driver.cuDeviceGet, device))
-    _call(driver.cuCtxPushCurrent, ctx)
     try:
-        free, total = _call(driver.cuMemGetInfo)
-    finally:
-        _call(driver.cuCtxPopCurrent)
+        ctx = _contexts.get(device)
+        if ctx is None:
+            ctx = _contexts[device] = _call(driver.cuDevicePrimaryCtxRetain, _call(driver.cuDeviceGet, device))
+        _call(driver.cuCtxPushCurrent, ctx)
+        try:
+            free, total = _call(driver.cuMemGetInfo)
+        finally:
+            _call(driver.cuCtxPopCurrent)
+    except _DriverError as err:
+        hint = ": the GPU has no room for a CUDA context; free memory on it" if (
+            err.cuda_error == "CUDA_ERROR_OUT_OF_MEMORY") else ""
+        raise UmpError(f"setting up the CUDA context of device {device}{hint}: {err.message}",
+                       err.cuda_error) from err
     return int(ctx), int(free), int(total)
 
 
@@ -228,7 +234,7 @@ def _budgets(chosen: backends.Backend, opts: Options, device: tuple[int, int] | 
     if free is not None and chosen.uses_gpu and not chosen.vmm_pool and cap > free - headroom:
         warnings.warn(f"cap={cap} bytes is more than the device's free memory less the headroom "
                       f"({free - headroom} bytes): {chosen.name} memory beyond what the GPU holds can "
-                      "hang a shared GPU", UmpWarning, stacklevel=3)
+                      "hang a shared GPU", UmpWarning, stacklevel=4)  # the caller of enable()
     return cap, cap, headroom
 
 
@@ -257,9 +263,11 @@ def enable(backend: str = "auto", **options) -> str:
     BackendUnavailableError
         The backend cannot run on this machine; the message says why.
     UmpError
-        ``CUPY_ENABLE_UMP=1`` is missing for a GPU backend, CuPy is a version
-        ump does not support, or ump is already enabled with another backend
-        or options (the message names what differs).
+        ``CUPY_ENABLE_UMP=1`` is missing for a GPU backend, CuPy is missing,
+        fails to import or is a version ump does not support, CUDA failed to
+        set up the device (a full GPU, say: ``cuda_error`` names CUDA's
+        error), or ump is already enabled with another backend or options
+        (the message names what differs).
     ValueError, TypeError
         Bad options; the message names the option.
 
@@ -271,8 +279,36 @@ def enable(backend: str = "auto", **options) -> str:
     imported with ``CUPY_ENABLE_UMP=1`` on a GPU without HMM/ATS, ump turns
     CuPy's own UMP path off (it fails there).
     """
+    return _enable(backend, _as_options(options), check_environment=True)
+
+
+def enable_from_launcher(backend: str = "auto", **options) -> str:
+    """:func:`enable` for ``python -m ump run``, without its check for
+    ``CUPY_ENABLE_UMP=1``: the command line says ump is wanted, and ump
+    imports CuPy with CuPy's own UMP path off either way. The launcher
+    leaves the environment as it is, so child processes, which start
+    without ump, do not inherit a variable that turns CuPy's own UMP path
+    on (it asserts on GPUs without HMM/ATS)."""
+    return _enable(backend, _as_options(options), check_environment=False)
+
+
+def _import_cupy(chosen: backends.Backend):
+    """CuPy for a GPU backend; any failure to import it is an UmpError."""
+    try:
+        return _cupy_compat.import_cupy()
+    except UmpError:
+        raise
+    except Exception as err:
+        if isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] == "cupy":
+            raise UmpError(f"the {chosen.name} backend needs CuPy, which is not installed: "
+                           "pip install ump[cuda12] or ump[cuda13], matching the CUDA major version "
+                           "of the driver") from err
+        raise UmpError(f"the {chosen.name} backend needs CuPy, which failed to import: "
+                       f"{type(err).__name__}: {err}") from err
+
+
+def _enable(backend: str, opts: Options, *, check_environment: bool) -> str:
     global _state
-    opts = _as_options(options)
     if backend != "auto":
         backends.get(backend)  # unknown names fail before anything happens
     with _lock:
@@ -287,13 +323,13 @@ def enable(backend: str = "auto", **options) -> str:
         chosen = backends.select(backend, caps, opts.device)
         device = cupy = None
         if chosen.uses_gpu:
-            if os.environ.get("CUPY_ENABLE_UMP") != "1":
+            if check_environment and os.environ.get("CUPY_ENABLE_UMP") != "1":
                 raise UmpError(
                     "CUPY_ENABLE_UMP=1 is not set: set it in the environment before Python "
                     "starts (export CUPY_ENABLE_UMP=1), then call ump.enable(); or start the "
                     "program with `python -m ump run`"
                 )
-            cupy = _cupy_compat.import_cupy()
+            cupy = _import_cupy(chosen)
             _core.cuda_load()
             ctx, free, total = _gpu_context(opts.device)
             device = (free, total)
@@ -336,20 +372,36 @@ def disable() -> bool:
     Returns True if ump was enabled, False if there was nothing to undo.
     Arrays allocated while enabled stay valid; their memory goes back to
     ump's arenas when they are freed.
+
+    Raises
+    ------
+    UmpError
+        Called from a thread other than the one that called :func:`enable`
+        while that thread still runs: NumPy's allocator is per thread, and
+        only that thread can put its own back. Nothing is changed.
+
+    Notes
+    -----
+    In a child process made by ``fork()`` it calls no CUDA function, as
+    nothing in the child does: it puts the allocators and CuPy's methods
+    back without waiting for the device or returning memory to the driver.
     """
     global _state
     with _lock:
         if _state is None:
             return False
+        _numpy_hook.check_uninstall()  # another thread's disable() changes nothing
+        forked = bool(_core.is_forked_child())
         if _state.cupy is not None:
-            _state.cupy.uninstall()
+            _state.cupy.uninstall(cuda=not forked)
             # Keep a pool alive while arrays still use its blocks.
             _retired[:] = [h for h in _retired if h.pool.used_bytes()]
             _retired.append(_state.cupy)
         _numpy_hook.uninstall()
-        for arena in (_state.numpy_arena, _state.cupy_arena):
-            if arena is not None:
-                arena.trim()  # wholly free chunks go back to the driver/OS
+        if not forked or _state.backend.provider == _core.PROVIDER_HOST:
+            for arena in (_state.numpy_arena, _state.cupy_arena):
+                if arena is not None:
+                    arena.trim()  # wholly free chunks go back to the driver/OS
         _state = None
         return True
 

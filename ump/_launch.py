@@ -4,6 +4,7 @@ environment variables)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import runpy
@@ -44,6 +45,8 @@ def parse_size(text: str) -> int | float:
         value = float(text)
     except ValueError:
         value = None
+    if value is not None and not math.isfinite(value):
+        value = None  # inf, nan, 1e400
     if value is not None and 0.0 < value <= 1.0:
         return value
     if value is not None and value > 1.0 and value == int(value):
@@ -70,11 +73,16 @@ def settings(flags: dict | None = None, environ=os.environ) -> tuple[str, dict]:
 
 
 def start(backend: str, options: dict) -> str:
-    """Enable ump for a program started from outside it."""
-    import ump
+    """Enable ump for a program started from outside it.
 
-    os.environ.setdefault("CUPY_ENABLE_UMP", "1")  # inherited by child processes too
-    return ump.enable(backend, **options)
+    No ``CUPY_ENABLE_UMP=1`` is needed, and none is set: child processes
+    (``subprocess``, ``multiprocessing``) start without ump, and the
+    variable would turn CuPy's own UMP path on in them, which asserts on
+    GPUs without HMM/ATS. A value already in the environment stays as it is.
+    """
+    from ._enable import enable_from_launcher
+
+    return enable_from_launcher(backend, **options)
 
 
 def run(*, script: str | None = None, module: str | None = None, args=()) -> None:

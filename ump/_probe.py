@@ -12,6 +12,8 @@ import functools
 import importlib.metadata
 import platform
 
+from ._errors import UmpError
+
 __all__ = ["Capabilities", "DeviceInfo", "probe"]
 
 
@@ -99,8 +101,10 @@ CUDA_BINDINGS_MISSING = ("cuda-bindings is not installed: pip install ump[cuda12
                          "matching the CUDA major version of the driver")
 
 
-class _DriverError(Exception):
-    pass
+class _DriverError(UmpError):
+    """A CUDA driver call failed; ``cuda_error`` names CUDA's error. An
+    :class:`UmpError`, so a failure no caller expected still reaches users
+    as one of ump's errors."""
 
 
 def _call(fn, *args):
@@ -109,7 +113,7 @@ def _call(fn, *args):
     err, *values = fn(*args)
     if err != driver.CUresult.CUDA_SUCCESS:
         _, name = driver.cuGetErrorName(err)
-        raise _DriverError(f"{fn.__name__} failed: {name.decode() if name else err}")
+        raise _DriverError(f"{fn.__name__} failed", name.decode() if name else str(err))
     return values[0] if len(values) == 1 else values
 
 

@@ -17,6 +17,7 @@ Importing :mod:`ump` never imports Dask; importing this module does.
 from __future__ import annotations
 
 import logging
+import threading
 
 try:
     import click
@@ -32,6 +33,13 @@ __all__ = ["UmpPlugin", "backends", "dask_setup", "parse_cap"]
 logger = logging.getLogger("distributed.worker")
 
 PLUGIN_NAME = "ump"
+
+# ump is enabled once per process, and a process may hold several workers
+# (LocalCluster(processes=False)): the plugin is set up in each. Only the
+# teardown of the last one disables ump, and only if a plugin enabled it.
+_process_lock = threading.Lock()
+_process_setups = 0
+_process_owns_enable = False
 
 
 class UmpPlugin(WorkerPlugin):
@@ -62,6 +70,11 @@ class UmpPlugin(WorkerPlugin):
     each task (:meth:`transition`): every task, and every NumPy array it
     makes, then uses ump whenever the plugin was registered.
 
+    ump is enabled for the whole process: where one process holds several
+    workers (``LocalCluster(processes=False)``), each sets the plugin up,
+    and ump is disabled only at the teardown of the last, and only if it
+    was not enabled before the first.
+
     Registered on a running worker, the plugin comes after whatever that
     worker already imported: :func:`ump.enable` raises there if CuPy was
     imported with ``CUPY_ENABLE_UMP=1`` on a GPU without HMM/ATS. Start the
@@ -76,7 +89,7 @@ class UmpPlugin(WorkerPlugin):
         _enable.Options(**options)  # so do bad options
         self.backend = backend
         self.options = options
-        self._enabled = False
+        self._setups = 0  # this instance's live setups (an instance may serve several workers)
 
     def setup(self, worker):
         """Enable ump in the worker's process; store the backend on the worker.
@@ -87,10 +100,16 @@ class UmpPlugin(WorkerPlugin):
             From :func:`ump.enable`; Dask logs them in the worker and returns
             them to ``client.register_plugin``.
         """
-        from . import enable
+        from . import enable, is_enabled
 
-        name = enable(self.backend, **self.options)
-        self._enabled = True
+        global _process_setups, _process_owns_enable
+        with _process_lock:
+            was_enabled = is_enabled()
+            name = enable(self.backend, **self.options)
+            if _process_setups == 0:
+                _process_owns_enable = not was_enabled
+            _process_setups += 1
+            self._setups += 1
         worker.ump_backend = name
         logger.info("ump enabled in worker %s: backend %r", worker.address, name)
         return name
@@ -99,18 +118,23 @@ class UmpPlugin(WorkerPlugin):
         # Called by the worker's state machine in the context that goes on to
         # create the task's execution, before it does: enter ump's handler
         # there, once per context, so the copy the task runs in has it.
-        if finish == "executing" and self._enabled and _enable.current() is not None:
-            if _numpy_hook.handler_name() != "ump":
-                _numpy_hook.handler_class().__enter__()
+        if finish == "executing" and self._setups and _enable.current() is not None:
+            _numpy_hook.enter()
 
     def teardown(self, worker):
-        """Disable ump again when the plugin is removed or the worker closes."""
+        """Disable ump again when the plugin is removed or the worker closes:
+        at the last teardown in the process, if the plugin enabled ump."""
         from . import disable
 
-        if self._enabled:
-            self._enabled = False
-            disable()
-            worker.ump_backend = None
+        global _process_setups
+        with _process_lock:
+            if not self._setups:
+                return
+            if _process_setups == 1 and _process_owns_enable:
+                disable()  # first: if it raises, the counts still hold
+            self._setups -= 1
+            _process_setups -= 1
+        worker.ump_backend = None
 
 
 def _worker_backend(dask_worker) -> str | None:

@@ -3,8 +3,12 @@
     python -m pytest --ump                 # backend "auto"
     python -m pytest --ump=pinned --ump-cap=4G
 
-Installed with ump (entry point ``pytest11``); without the package
-installed, load it with ``-p ump.pytest_plugin``. ump is enabled in
+Installed with ump (entry point ``pytest11``, named ``ump.pytest_plugin``
+after the module, so that ``-p ump.pytest_plugin`` names the same plugin
+where ump is installed; ``-p no:ump.pytest_plugin`` turns it off); without
+the package installed, load it with ``-p ump.pytest_plugin``. ``--ump`` takes an optional value:
+before a path write ``--ump=BACKEND``, as ``--ump tests/`` would read the
+path as the backend (the plugin says so). ump is enabled in
 ``pytest_configure``, in the main process and in every pytest-xdist worker,
 after the initial conftest files ran: CuPy may be imported by then (CuPy's
 own test settings import it), which ump supports. The ``UMP_*`` environment
@@ -42,11 +46,25 @@ def pytest_addoption(parser):
     group.addoption("--ump-device", default=None, metavar="INDEX", help="the CUDA device")
 
 
+def _looks_like_a_path(value: str) -> bool:
+    """``--ump tests/`` hands pytest's path to ``--ump`` as its value."""
+    from .backends import names
+
+    if value in ("auto", *names()):
+        return False
+    return (os.sep in value or "/" in value or value.endswith(".py") or "::" in value
+            or os.path.exists(value))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     backend = config.getoption("ump", None)
     if backend is None:
         return
+    if _looks_like_a_path(backend):
+        raise pytest.UsageError(
+            f"--ump: {backend!r} is not a backend but looks like a path, which --ump took as its value: "
+            f"write --ump=BACKEND (--ump=auto {backend}), or put --ump after the paths")
     import ump
 
     flags = {name: config.getoption(f"ump_{name}") for name in _FLAGS}
