@@ -301,7 +301,12 @@ def test_a_cap_beyond_free_device_memory_warns():
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """enable() picks a GPU backend (pinned) on any machine; CuPy is an
-    object, loading libcuda does nothing, and no arena or context is kept."""
+    object, loading libcuda does nothing, and no arena or context is kept.
+    The machine's probe is read first and stands in for enable()'s: the
+    probe is cached for the process, and must not cache a fake driver's
+    answers for the tests that follow."""
+    caps = _probe.probe()
+    monkeypatch.setattr(_enable, "probe", lambda: caps)
     monkeypatch.setattr(backends, "select", lambda backend, caps, device=0: backends.PINNED)
     monkeypatch.setattr(_cupy_compat, "import_cupy", lambda: object())
     monkeypatch.setattr(_core, "cuda_load", lambda: None)
@@ -310,7 +315,7 @@ def fake_gpu(monkeypatch):
 
 
 @pytest.fixture
-def full_gpu(monkeypatch):
+def full_gpu(fake_gpu, monkeypatch):
     """cuda.bindings.driver, as a GPU too full for a context answers."""
     driver = types.ModuleType("cuda.bindings.driver")
     driver.CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
