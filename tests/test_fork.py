@@ -28,13 +28,16 @@ CHILD_TIMEOUT = 20.0
 
 
 def _wait(pid: int, timeout: float) -> int | None:
-    """The child's exit code, or None if it is still running after `timeout`."""
+    """The child's exit code, or None if it was still running after
+    `timeout` (then it is killed and reaped)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
         time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
     return None
 
 
@@ -80,9 +83,6 @@ def test_child_forked_while_a_thread_holds_a_pool_lock_finishes():
             finally:
                 os._exit(code)
         code = _wait(pid, CHILD_TIMEOUT)
-        if code is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
         thread.join()
     finally:
         _core.fault_delay(0)
@@ -157,9 +157,6 @@ def test_disable_in_a_forked_child_restores_the_allocators_without_cuda(caps):
             finally:
                 os._exit(code)
         code = _wait(pid, CHILD_TIMEOUT)
-        if code is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
     finally:
         state.cupy = None
     assert code == 0, {10: "disable() failed", 11: "the child's uninstall may call CUDA",
