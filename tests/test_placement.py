@@ -551,15 +551,16 @@ def test_an_export_while_a_graph_is_captured_records_and_moves_nothing(moves):
     assert moves == [(GiB, 0), (GiB, -1)] and state.exports == 1
 
 
-def test_two_threads_exporting_one_block_take_turns(moves):
-    # The second export starts while the first waits for its end event: it
-    # must find the block's state as the first leaves it, not half-updated.
+def test_two_threads_exporting_one_block_take_turns_while_other_blocks_go_on(moves):
+    # A second export of the block starts while the first waits for its end
+    # event: it must find the block's state as the first leaves it, not
+    # half-updated. Another block's hand-off meanwhile does not wait.
     import threading
     import time
 
     cupy = FakeCupy()
     policy = _policy(cupy)
-    errors = []
+    errors, other = [], []
 
     def export():
         try:
@@ -571,9 +572,16 @@ def test_two_threads_exporting_one_block_take_turns(moves):
     synchronize = cupy.cuda.Event.synchronize
 
     def while_the_first_waits(event):
-        if not second.is_alive() and second.ident is None:
+        if second.ident is None:
             second.start()
-            time.sleep(0.1)  # time enough for it to run, were nothing to stop it
+            deadline = time.monotonic() + 1.0
+            while policy.state(BASE, GiB).exports < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the second export, unless it waits its turn
+            handoff = threading.Thread(target=lambda: other.append(
+                policy.on_handoff("managed", BASE + 2 * GiB, GiB)))
+            handoff.start()
+            handoff.join(2)
+            other.append(handoff.is_alive())  # still waiting for the first export?
         synchronize(event)
 
     cupy.cuda.Event.synchronize = while_the_first_waits
@@ -581,5 +589,6 @@ def test_two_threads_exporting_one_block_take_turns(moves):
     cupy.work(0.26)
     export()
     second.join(5)
-    assert not second.is_alive() and errors == []
+    assert not second.is_alive() and errors == [] and other == [None, False]
     assert policy.state(BASE, GiB).heavy and policy.state(BASE, GiB).exports == 2
+    assert policy.state(BASE + 2 * GiB, GiB) is not None

@@ -88,6 +88,9 @@ class BlockState:
     host_seconds: float | None = None  # GPU time of the last interval spent host-resident
     moved: bool = False         # migrated since the last export: the next interval holds its cost
     stay_host: bool = False     # a trial on the GPU lost: host-resident until the next hand-off
+    # Its hand-offs and exports take turns (an export may wait for a move);
+    # other blocks' go on meanwhile.
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -157,15 +160,16 @@ class Placement:
             return
         if capturing(self.cupy):
             return  # nothing runs until the graph is launched: no event to time, no move
-        with self._lock:  # threads hand off and export the same block
-            self._handoff(base, size)
+        with self._lock:
+            state = self.blocks.get((base, size))
+            if state is None:
+                if len(self.blocks) >= MAX_BLOCKS:
+                    self.blocks.clear()
+                state = self.blocks[(base, size)] = BlockState()
+        with state.lock:
+            self._handoff(state, base, size)
 
-    def _handoff(self, base: int, size: int) -> None:
-        state = self.blocks.get((base, size))
-        if state is None:
-            if len(self.blocks) >= MAX_BLOCKS:
-                self.blocks.clear()
-            state = self.blocks[(base, size)] = BlockState()
+    def _handoff(self, state: BlockState, base: int, size: int) -> None:
         if state.peeked and state.exports < 2:
             # The loop since the last hand-off was a round trip, not a peek
             # loop: the host may have read the block whole (faulting it
@@ -198,15 +202,14 @@ class Placement:
         waited for the GPU, None if it did not wait; ``stream``: the stream
         it waited for, the current one if None): learn from the GPU time it
         took, and move it if that pays."""
-        if kind != "managed" or (base, size) not in self.blocks:
+        state = self.blocks.get((base, size)) if kind == "managed" else None
+        if state is None:
             return
         if capturing(self.cupy):
             return  # an event recorded or a stream waited for now would break the capture
-        with self._lock:
-            state = self.blocks.get((base, size))
-            if state is not None:
-                self._export(state, base, size, waited,
-                             self.cupy.cuda.get_current_stream() if stream is None else stream)
+        with state.lock:
+            self._export(state, base, size, waited,
+                         self.cupy.cuda.get_current_stream() if stream is None else stream)
 
     def _export(self, state: BlockState, base: int, size: int, waited: float | None, stream) -> None:
         state.exports += 1
