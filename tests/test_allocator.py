@@ -330,19 +330,19 @@ def test_statistics_of_blocks_through_the_thread_cache():
         assert s1.total_count - s0.total_count == 10_000
         assert s1.total_bytes - s0.total_bytes == 10_000 * 512
         assert s1.peak_count <= max(s0.peak_count, s0.current_count + 1)
-        if s0.peak_count == 0:  # the arena's first use: the peak is exact
-            small = [_core.malloc(64) for _ in range(32)]  # 32 live 512-byte blocks
-            for p in small:
-                _core.free(p, 64)  # all 32 into this thread's cache
-            large = [_core.malloc(1024) for _ in range(32)]  # 32 live again, not 64
-            s2 = arena.statistics()
-            assert (s2.current_count, s2.peak_count, s2.peak_bytes) == (32, 32, 32 * 1024)
-            small = [_core.malloc(64) for _ in range(32)]  # from the cache: 64 live
-            s3 = arena.statistics()
-            assert (s3.current_count, s3.peak_count) == (64, 64)
-            assert s3.total_count - s1.total_count == 96
-            for p in small + large:
-                _core.free(p, 0)
+        assert s0.peak_count == 0  # a new arena: its peak is this test's alone
+        small = [_core.malloc(64) for _ in range(32)]  # 32 live 512-byte blocks
+        for p in small:
+            _core.free(p, 64)  # all 32 into this thread's cache
+        large = [_core.malloc(1024) for _ in range(32)]  # 32 live again, not 64
+        s2 = arena.statistics()
+        assert (s2.current_count, s2.peak_count, s2.peak_bytes) == (32, 32, 32 * 1024)
+        small = [_core.malloc(64) for _ in range(32)]  # from the cache: 64 live
+        s3 = arena.statistics()
+        assert (s3.current_count, s3.peak_count) == (64, 64)
+        assert s3.total_count - s1.total_count == 96
+        for p in small + large:
+            _core.free(p, 0)
         s4 = arena.statistics()
         assert (s4.current_count, s4.current_bytes) == (0, 0)
     finally:

@@ -10,44 +10,19 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import threading
 import time
 import types
-import warnings
 
 import pytest
 
+from _fork import CHILD_TIMEOUT, fork, wait
 from ump import _core
 from ump._vmm import VMMPool
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 
 MiB = 1 << 20
-CHILD_TIMEOUT = 20.0
-
-
-def _wait(pid: int, timeout: float) -> int | None:
-    """The child's exit code, or None if it was still running after
-    `timeout` (then it is killed and reaped)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
-
-
-def _fork():
-    with warnings.catch_warnings():
-        # Python 3.12+ warns about fork() in a process with threads: that
-        # is the situation under test.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return os.fork()
-
 
 def test_child_forked_while_a_thread_holds_a_pool_lock_finishes():
     pool = VMMPool(emulate=True, reserve=1 << 30)
@@ -69,7 +44,7 @@ def test_child_forked_while_a_thread_holds_a_pool_lock_finishes():
         thread.start()
         entered.wait()
         time.sleep(0.3)  # the thread is now inside ump_vmm_alloc, lock held
-        pid = _fork()
+        pid = fork()
         if pid == 0:
             code = 1
             try:
@@ -82,7 +57,7 @@ def test_child_forked_while_a_thread_holds_a_pool_lock_finishes():
                 code = 0 if ok else 1
             finally:
                 os._exit(code)
-        code = _wait(pid, CHILD_TIMEOUT)
+        code = wait(pid)
         thread.join()
     finally:
         _core.fault_delay(0)
@@ -144,7 +119,7 @@ def test_disable_in_a_forked_child_restores_the_allocators_without_cuda(caps):
     state = _enable.current()
     state.cupy = _FakeCupyHook(calls)
     try:
-        pid = _fork()
+        pid = fork()
         if pid == 0:
             code = 1
             try:
@@ -156,7 +131,7 @@ def test_disable_in_a_forked_child_restores_the_allocators_without_cuda(caps):
                 code = next((i + 10 for i, ok in enumerate(checks) if not ok), 0)
             finally:
                 os._exit(code)
-        code = _wait(pid, CHILD_TIMEOUT)
+        code = wait(pid)
     finally:
         state.cupy = None
     assert code == 0, {10: "disable() failed", 11: "the child's uninstall may call CUDA",

@@ -11,11 +11,11 @@ import ctypes
 import os
 import random
 import types
-import warnings
 
 import pytest
 
 import ump
+from _fork import fork, wait
 from _threads import run_threads
 from ump import _core
 from ump._vmm import VMMPool
@@ -448,12 +448,6 @@ def test_sizes_that_wrap_around_the_address_space_are_refused(pool):
     pool.deallocate(a)
 
 
-def _fork():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
-        return os.fork()
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_a_forked_child_cannot_allocate_from_its_parents_emulated_pool(pool):
     """The child's copy of the pool maps the parent's memfds (MAP_SHARED): a
@@ -461,7 +455,7 @@ def test_a_forked_child_cannot_allocate_from_its_parents_emulated_pool(pool):
     It refuses, as a device pool's copy does; a pool the child makes works."""
     a = pool.allocate(GRAN)
     pool.deallocate(a)  # its granule stays mapped: a block there needs no mapping
-    pid = _fork()
+    pid = fork()
     if pid == 0:
         code = 99
         try:
@@ -484,8 +478,7 @@ def test_a_forked_child_cannot_allocate_from_its_parents_emulated_pool(pool):
             code = failed
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert wait(pid) == 0
     b = pool.allocate(4096)
     assert b == a  # the parent's pool is as it was
     pool.deallocate(b)
