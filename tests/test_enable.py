@@ -339,10 +339,12 @@ def full_gpu(fake_gpu, monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
 
 
-def test_enable_needs_cupy_enable_ump_but_the_launcher_does_not(fake_gpu, monkeypatch):
-    """ump.enable() keeps its check; python -m ump run's enable skips it
-    and sets no variable. CuPy missing is an UmpError that says so."""
+def test_enable_needs_cupy_enable_ump_or_the_launchers_mark(fake_gpu, monkeypatch):
+    """ump.enable() on a GPU needs CUPY_ENABLE_UMP=1, or UMP_LAUNCHED=1,
+    which python -m ump run sets for its process tree. CuPy missing is an
+    UmpError that says so."""
     monkeypatch.delenv("CUPY_ENABLE_UMP", raising=False)
+    monkeypatch.delenv(_enable.LAUNCHED, raising=False)
 
     def no_cupy():
         raise ModuleNotFoundError("No module named 'cupy'", name="cupy")
@@ -350,8 +352,9 @@ def test_enable_needs_cupy_enable_ump_but_the_launcher_does_not(fake_gpu, monkey
     monkeypatch.setattr(_cupy_compat, "import_cupy", no_cupy)
     with pytest.raises(ump.UmpError, match="CUPY_ENABLE_UMP=1 is not set"):
         ump.enable("pinned")
+    monkeypatch.setenv(_enable.LAUNCHED, "1")
     with pytest.raises(ump.UmpError, match="pinned backend needs CuPy, which is not installed: pip install") as info:
-        _enable.enable_from_launcher("pinned")
+        ump.enable("pinned")
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
     assert "CUPY_ENABLE_UMP" not in os.environ and not ump.is_enabled()
 
@@ -432,6 +435,16 @@ def test_any_thread_may_disable_once_the_enabling_thread_ended(cpu_only):
     assert got == {"value": "host"} and handler_name() == "default_allocator"  # this thread never had it
     assert ump.disable() is True and not ump.is_enabled()
     assert handler_name() == "default_allocator"
+
+
+def test_any_thread_may_disable_when_a_thread_python_did_not_start_enabled(cpu_only):
+    # Python knows such a thread only as a dummy that never ends.
+    import _thread
+
+    done = threading.Event()
+    _thread.start_new_thread(lambda: (ump.enable(), done.set()), ())
+    assert done.wait(10) and ump.is_enabled()
+    assert ump.disable() is True and not ump.is_enabled()
 
 
 def test_disable_restores_this_threads_handler_whatever_other_threads_did(cpu_only):

@@ -68,13 +68,18 @@ CHILD = """
     child = "import os, cupy; print(os.environ.get('CUPY_ENABLE_UMP'), cupy.array([1, 2, 3]).tolist())"
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
     print(os.environ.get("CUPY_ENABLE_UMP"), out.strip())
+    enables = ("import numpy as np, ump; print(ump.enable('pinned', cap=1 << 30)); import cupy; "
+               "a = np.ones(4); print(cupy.asarray(a).data.ptr == a.ctypes.data)")
+    out = subprocess.run([sys.executable, "-c", enables], capture_output=True, text=True, check=True).stdout
+    print(*out.split())
 """
 
 
 def test_launcher_runs_a_script_zero_copy(gpu_caps, tmp_path):
     """Without CUPY_ENABLE_UMP=1, which the launcher neither needs nor sets:
     a child process of the program, without ump, runs stock CuPy, whose own
-    UMP path (it asserts on GPUs without HMM/ATS) stays off."""
+    UMP path (it asserts on GPUs without HMM/ATS) stays off; a child that
+    enables ump (a Dask worker with ump's plugin) needs no variable either."""
     script = tmp_path / "prog.py"
     script.write_text("import sys, numpy as np, cupy, ump\n" + textwrap.dedent(ROUND_TRIP)
                       + textwrap.dedent(CHILD) + "print(ump.backend(), sys.argv[1:])\n")
@@ -82,7 +87,7 @@ def test_launcher_runs_a_script_zero_copy(gpu_caps, tmp_path):
     run = subprocess.run([sys.executable, "-m", "ump", "run", "--backend", "pinned", "--cap", "2G",
                           str(script), "x", "--y"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().splitlines() == ["None None [1, 2, 3]", "pinned ['x', '--y']"]
+    assert run.stdout.strip().splitlines() == ["None None [1, 2, 3]", "pinned True", "pinned ['x', '--y']"]
 
 
 def test_pytest_plugin_runs_a_suite_under_ump(gpu_caps, tmp_path):

@@ -71,21 +71,22 @@ def test_run_script_errors_propagate(cpu_only, tmp_path):
 
 CHILD_ENV = """
     import os, subprocess, sys
-    print(os.environ.get("CUPY_ENABLE_UMP"))
-    child = "import os; print(os.environ.get('CUPY_ENABLE_UMP'))"
+    print(os.environ.get("CUPY_ENABLE_UMP"), os.environ.get("UMP_LAUNCHED"))
+    child = "import os; print(os.environ.get('CUPY_ENABLE_UMP'), os.environ.get('UMP_LAUNCHED'))"
     print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.strip())
 """
 
 
 @pytest.mark.parametrize("value", [None, "1", "0"], ids=["unset", "1", "0"])
 def test_run_leaves_cupy_enable_ump_as_it_was(cpu_only, tmp_path, value):
-    """The launcher sets no CUPY_ENABLE_UMP: a child process, which starts
-    without ump, would take CuPy's own UMP path with it (it asserts on GPUs
-    without HMM/ATS). A value the user set stays as it was."""
+    """The launcher sets no CUPY_ENABLE_UMP: a child process that does not
+    enable ump would take CuPy's own UMP path with it (it asserts on GPUs
+    without HMM/ATS). A value the user set stays as it was. It marks the
+    process tree instead, so that children that enable ump need no variable."""
     (tmp_path / "prog.py").write_text(textwrap.dedent(CHILD_ENV))
     run = _run(["-m", "ump", "run", "--cap", "64M", "prog.py"], tmp_path, env={"CUPY_ENABLE_UMP": value})
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == [str(value)] * 2  # the program's environment, its child's
+    assert run.stdout.split() == [str(value), "1"] * 2  # the program's environment, its child's
 
 
 @pytest.mark.parametrize("args, message", [

@@ -147,8 +147,8 @@ def main(argv=None) -> int:
         "run", help="run a program with ump enabled: python -m ump run [options] script.py|-m module [args]",
         description="Enable ump, then run a script or module as __main__ (like python -m cProfile). "
                     "Options not given come from UMP_BACKEND, UMP_CAP, UMP_HEADROOM, UMP_PLACEMENT, "
-                    "UMP_SYNC, UMP_DEVICE. CUPY_ENABLE_UMP=1 is not needed, and not set for the "
-                    "program or its child processes.")
+                    "UMP_SYNC, UMP_DEVICE. CUPY_ENABLE_UMP=1 is not needed and not set; UMP_LAUNCHED=1 "
+                    "is, so that child processes that call ump.enable() need no variable either.")
     run.add_argument("--backend", help="auto (default), system, managed, pinned, device or host")
     run.add_argument("--cap", help="budget: bytes (4G, 512MiB; a whole number is bytes) or a fraction "
                                    "in (0, 1] of free device memory (0.5)")

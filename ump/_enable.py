@@ -279,17 +279,14 @@ def enable(backend: str = "auto", **options) -> str:
     imported with ``CUPY_ENABLE_UMP=1`` on a GPU without HMM/ATS, ump turns
     CuPy's own UMP path off (it fails there).
     """
-    return _enable(backend, _as_options(options), check_environment=True)
+    return _enable(backend, _as_options(options))
 
 
-def enable_from_launcher(backend: str = "auto", **options) -> str:
-    """:func:`enable` for ``python -m ump run``, without its check for
-    ``CUPY_ENABLE_UMP=1``: the command line says ump is wanted, and ump
-    imports CuPy with CuPy's own UMP path off either way. The launcher
-    leaves the environment as it is, so child processes, which start
-    without ump, do not inherit a variable that turns CuPy's own UMP path
-    on (it asserts on GPUs without HMM/ATS)."""
-    return _enable(backend, _as_options(options), check_environment=False)
+#: Set by ``python -m ump run`` for the program and the processes it starts:
+#: ump is wanted there, so enable() needs no ``CUPY_ENABLE_UMP=1``, which
+#: the launcher does not set (in a child that does not enable ump it would
+#: turn CuPy's own UMP path on, which asserts on GPUs without HMM/ATS).
+LAUNCHED = "UMP_LAUNCHED"
 
 
 def _import_cupy(chosen: backends.Backend):
@@ -307,7 +304,7 @@ def _import_cupy(chosen: backends.Backend):
                        f"{type(err).__name__}: {err}") from err
 
 
-def _enable(backend: str, opts: Options, *, check_environment: bool) -> str:
+def _enable(backend: str, opts: Options) -> str:
     global _state
     if backend != "auto":
         backends.get(backend)  # unknown names fail before anything happens
@@ -323,7 +320,7 @@ def _enable(backend: str, opts: Options, *, check_environment: bool) -> str:
         chosen = backends.select(backend, caps, opts.device)
         device = cupy = None
         if chosen.uses_gpu:
-            if check_environment and os.environ.get("CUPY_ENABLE_UMP") != "1":
+            if os.environ.get("CUPY_ENABLE_UMP") != "1" and os.environ.get(LAUNCHED) != "1":
                 raise UmpError(
                     "CUPY_ENABLE_UMP=1 is not set: set it in the environment before Python "
                     "starts (export CUPY_ENABLE_UMP=1), then call ump.enable(); or start the "

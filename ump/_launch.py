@@ -75,14 +75,19 @@ def settings(flags: dict | None = None, environ=os.environ) -> tuple[str, dict]:
 def start(backend: str, options: dict) -> str:
     """Enable ump for a program started from outside it.
 
-    No ``CUPY_ENABLE_UMP=1`` is needed, and none is set: child processes
-    (``subprocess``, ``multiprocessing``) start without ump, and the
-    variable would turn CuPy's own UMP path on in them, which asserts on
-    GPUs without HMM/ATS. A value already in the environment stays as it is.
+    It sets ``UMP_LAUNCHED=1``, not ``CUPY_ENABLE_UMP=1``: child processes
+    (``subprocess``, ``multiprocessing``) inherit it, so those that call
+    :func:`ump.enable` (Dask workers with ump's plugin) need no variable
+    either, while in those that do not, CuPy's own UMP path, which asserts
+    on GPUs without HMM/ATS, stays off. A ``CUPY_ENABLE_UMP`` already in the
+    environment stays as it is.
     """
-    from ._enable import enable_from_launcher
+    import ump
 
-    return enable_from_launcher(backend, **options)
+    from ._enable import LAUNCHED
+
+    os.environ[LAUNCHED] = "1"
+    return ump.enable(backend, **options)
 
 
 def run(*, script: str | None = None, module: str | None = None, args=()) -> None:

@@ -125,7 +125,11 @@ def check_uninstall() -> None:
     if _owner is None:
         return
     thread = _owner[0]
-    if thread is not threading.current_thread() and thread.is_alive():
+    # A thread Python did not start (C code, _thread) is known only as a
+    # dummy that never ends: its context cannot be restored from here, and
+    # waiting for it to end would refuse for good.
+    if (thread is not threading.current_thread() and thread.is_alive()
+            and not isinstance(thread, threading._DummyThread)):
         raise UmpError(
             f"ump.disable() must be called from the thread that called ump.enable() ({thread.name}), "
             f"not from {threading.current_thread().name}: NumPy's allocator is per thread (a context "
