@@ -133,24 +133,32 @@ def test_copy_true_copies(gpu_backend):
     assert h.dtype == np.float64 and float(h[3]) == 1.0
 
 
+def _stream(cupy, which):
+    """The stream a test runs its work on: the default one or a non-blocking one."""
+    return cupy.cuda.Stream(non_blocking=True) if which == "non_blocking" else cupy.cuda.Stream.null
+
+
+@pytest.mark.parametrize("which", ["default", "non_blocking"])
 @pytest.mark.parametrize("how", ["array", "blocking", "order"])
-def test_a_copy_cupy_makes_on_the_gpu_has_read_the_numpy_array_when_it_returns(gpu_backend, how):
+def test_a_copy_cupy_makes_on_the_gpu_has_read_the_numpy_array_when_it_returns(gpu_backend, how, which):
     # The copy reads the NumPy array in place, queued behind ~100 ms of other
-    # work; the host writes the array as soon as the call returns, as it may
-    # with stock CuPy, which copies from pageable memory before returning.
+    # work on the current stream; the host writes the array as soon as the
+    # call returns, as it may with stock CuPy, which copies from pageable
+    # memory before returning.
     _, cupy = gpu_backend
-    for _ in range(3):
-        a = np.arange(1 << 22, dtype=np.float64)  # 32 MiB
-        _launch_spin(cupy, cupy.zeros(1, dtype=np.float64))
-        if how == "array":
-            g = cupy.array(a)  # copy=True is CuPy's default
-        elif how == "blocking":
-            g = cupy.array(a, blocking=True)
-        else:
-            g = cupy.asarray(a.reshape(2048, 2048), order="F")
-        a[:] = -1
-        assert g.data.ptr != a.ctypes.data
-        assert bool((g.ravel(order="C") == cupy.arange(1 << 22, dtype=np.float64)).all())
+    with _stream(cupy, which):
+        for _ in range(5):
+            a = np.arange(1 << 22, dtype=np.float64)  # 32 MiB
+            _launch_spin(cupy, cupy.zeros(1, dtype=np.float64))
+            if how == "array":
+                g = cupy.array(a)  # copy=True is CuPy's default
+            elif how == "blocking":
+                g = cupy.array(a, blocking=True)
+            else:
+                g = cupy.asarray(a.reshape(2048, 2048), order="F")
+            a[:] = -1
+            assert g.data.ptr != a.ctypes.data
+            assert bool((g.ravel(order="C") == cupy.arange(1 << 22, dtype=np.float64)).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -210,22 +218,24 @@ def test_host_read_after_kernel_on_other_stream(gpu_backend):
     assert (out == 3.0).all()
 
 
-def test_numpy_block_not_reused_under_running_kernel(gpu_backend):
+@pytest.mark.parametrize("which", ["default", "non_blocking"])
+def test_numpy_block_not_reused_under_running_kernel(gpu_backend, which):
     _, cupy = gpu_backend
     n = 1 << 16
-    a = np.ones(n, dtype=np.float64)
-    ptr = a.ctypes.data
-    g = cupy.asarray(a)
-    _launch_spin(cupy, g)  # still running when the arrays go away
-    result = g  # keep a CuPy-side reference to read back later?
-    del a
-    del result, g
-    # The block must not be handed out again while the kernel runs.
-    others = [np.full(n, 5.0) for _ in range(8)]
-    assert all(o.ctypes.data != ptr for o in others)
-    ump.synchronize()
-    again = [np.empty(n) for _ in range(8)]
-    assert any(o.ctypes.data == ptr for o in again)
+    with _stream(cupy, which):
+        for _ in range(5):
+            a = np.ones(n, dtype=np.float64)
+            ptr = a.ctypes.data
+            g = cupy.asarray(a)
+            _launch_spin(cupy, g)  # still running when the arrays go away
+            del a, g
+            # The block must not be handed out again while the kernel runs.
+            others = [np.full(n, 5.0) for _ in range(8)]
+            assert all(o.ctypes.data != ptr for o in others)
+            ump.synchronize()
+            again = [np.empty(n) for _ in range(8)]
+            assert any(o.ctypes.data == ptr for o in again)
+            del others, again
 
 
 def test_threads_allocate_at_once(gpu_backend):
