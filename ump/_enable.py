@@ -234,8 +234,30 @@ def _budgets(chosen: backends.Backend, opts: Options, device: tuple[int, int] | 
     if free is not None and chosen.uses_gpu and not chosen.vmm_pool and cap > free - headroom:
         warnings.warn(f"cap={cap} bytes is more than the device's free memory less the headroom "
                       f"({free - headroom} bytes): {chosen.name} memory beyond what the GPU holds can "
-                      "hang a shared GPU", UmpWarning, stacklevel=4)  # the caller of enable()
+                      "hang a shared GPU", UmpWarning, stacklevel=3)  # the caller of enable()
     return cap, cap, headroom
+
+
+#: Set by ``python -m ump run`` for the program and the processes it starts:
+#: ump is wanted there, so enable() needs no ``CUPY_ENABLE_UMP=1``, which
+#: the launcher does not set (in a child that does not enable ump it would
+#: turn CuPy's own UMP path on, which asserts on GPUs without HMM/ATS).
+LAUNCHED = "UMP_LAUNCHED"
+
+
+def _import_cupy(chosen: backends.Backend):
+    """CuPy for a GPU backend; any failure to import it is an UmpError."""
+    try:
+        return _cupy_compat.import_cupy()
+    except UmpError:
+        raise
+    except Exception as err:
+        if isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] == "cupy":
+            raise UmpError(f"the {chosen.name} backend needs CuPy, which is not installed: "
+                           "pip install ump[cuda12] or ump[cuda13], matching the CUDA major version "
+                           "of the driver") from err
+        raise UmpError(f"the {chosen.name} backend needs CuPy, which failed to import: "
+                       f"{type(err).__name__}: {err}") from err
 
 
 def enable(backend: str = "auto", **options) -> str:
@@ -279,33 +301,8 @@ def enable(backend: str = "auto", **options) -> str:
     imported with ``CUPY_ENABLE_UMP=1`` on a GPU without HMM/ATS, ump turns
     CuPy's own UMP path off (it fails there).
     """
-    return _enable(backend, _as_options(options))
-
-
-#: Set by ``python -m ump run`` for the program and the processes it starts:
-#: ump is wanted there, so enable() needs no ``CUPY_ENABLE_UMP=1``, which
-#: the launcher does not set (in a child that does not enable ump it would
-#: turn CuPy's own UMP path on, which asserts on GPUs without HMM/ATS).
-LAUNCHED = "UMP_LAUNCHED"
-
-
-def _import_cupy(chosen: backends.Backend):
-    """CuPy for a GPU backend; any failure to import it is an UmpError."""
-    try:
-        return _cupy_compat.import_cupy()
-    except UmpError:
-        raise
-    except Exception as err:
-        if isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] == "cupy":
-            raise UmpError(f"the {chosen.name} backend needs CuPy, which is not installed: "
-                           "pip install ump[cuda12] or ump[cuda13], matching the CUDA major version "
-                           "of the driver") from err
-        raise UmpError(f"the {chosen.name} backend needs CuPy, which failed to import: "
-                       f"{type(err).__name__}: {err}") from err
-
-
-def _enable(backend: str, opts: Options) -> str:
     global _state
+    opts = _as_options(options)
     if backend != "auto":
         backends.get(backend)  # unknown names fail before anything happens
     with _lock:
