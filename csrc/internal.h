@@ -49,6 +49,8 @@ UMP_HIDDEN int ump__provider_alloc(int provider, size_t size, void **out, int *f
 UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size, void *ctx);
 /* Advise a new managed chunk to live on the host and be mapped by the GPU. */
 UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
+/* Give a new managed chunk of CuPy's its pages on `device` (-1: ump's). */
+UMP_HIDDEN void ump__populate_gpu(void *ptr, size_t size, int device, void *ctx);
 
 /* The driver's entry points, filled once by ump_cuda_load(); call them only
  * where ump__cuda_ready() says UMP_OK. `vmm`: the VMM entry points exist. */

@@ -191,7 +191,7 @@ def test_a_case_the_machine_cannot_run_is_reported_with_its_reason(monkeypatch):
     does not count it as a result."""
     case, why = cases.STRIPED_CASES[0], "needs two GPUs, this machine has 1"
     worker_out = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 2.0], "gpu": []},
-                  case: {"suite": "vmm", "skipped": why}}
+                  case: {"suite": "vmm", "skipped": why}, bench.PROCESS_KEY: {"ump_imported": False}}
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
         cmd, 0, stdout=json.dumps(worker_out), stderr=""))
     err = io.StringIO()
@@ -256,12 +256,27 @@ def test_a_suite_whose_package_is_missing_is_named(monkeypatch):
 
 
 def test_suites_with_their_own_configurations_run_once(monkeypatch):
-    """Suites that set up their own configurations (pools, dask) run in the
-    "stock" process alone, not once per configuration."""
+    """Suites that set up their own configurations (pools, dask) measure
+    ump's own code: they run in the "imported" process alone, not once per
+    configuration, and a run that names other configurations gets that
+    process too."""
     monkeypatch.setattr(bench, "CONFIG_FREE", {"alloc_numpy"})
     report = bench.run(suites=["alloc_numpy"], smoke=True, progress=io.StringIO())
-    assert report["configs"] == ["stock"]
-    assert set(report["results"]["np.empty 64B"]) == {"suite", "stock"}
+    assert report["configs"] == ["imported"]
+    assert set(report["results"]["np.empty 64B"]) == {"suite", "imported"}
+    report = bench.run(suites=["alloc_numpy"], smoke=True, configs=["stock"], progress=io.StringIO())
+    assert report["configs"] == ["stock", "imported"]
+
+
+def test_the_stock_process_never_imports_ump():
+    """"stock" is CuPy and NumPy alone: its worker starts by path and reads
+    the cases without the package; "imported" has ump in sys.modules."""
+    imported = {}
+    for config in ("stock", "imported"):
+        proc = subprocess.run(bench._worker(config, ["alloc_numpy"], True), capture_output=True,
+                              text=True, check=True)
+        imported[config] = json.loads(proc.stdout)[bench.PROCESS_KEY]["ump_imported"]
+    assert imported == {"stock": False, "imported": True}
 
 
 # --- the moves suite --------------------------------------------------------------
@@ -338,11 +353,90 @@ def test_a_run_of_every_suite_leaves_out_those_run_on_request(monkeypatch):
     asked = []
 
     def worker(cmd, **kw):
-        asked.append(cmd[4].split(","))
-        return subprocess.CompletedProcess(cmd, 0, stdout="{}", stderr="")
+        asked.append(cmd[-2].split(","))
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps({bench.PROCESS_KEY: {"ump_imported": False}}),
+                                           stderr="")
 
     monkeypatch.setattr(bench.subprocess, "run", worker)
     err = io.StringIO()
     bench.run(configs=["stock"], rounds=1, progress=err)
     assert asked and all("dask" not in suites for suites in asked)
     assert "suite dask runs only when named (--suites dask)" in err.getvalue()
+
+
+# --- the programs suite ------------------------------------------------------------
+
+_FAKE_PROGRAM = """
+import os, sys, time
+with open(os.environ["FAKE_PROGRAM_LOG"], "a") as f:
+    f.write(f"{sys.argv[1:]} {'ump' in sys.modules} {os.environ.get('UMP_LAUNCHED')}\\n")
+time.sleep(0.05)
+print(" GPU :  0.25 sec")
+print(" GPU :  0.5 sec")
+sys.exit(int(os.environ.get("FAKE_PROGRAM_EXIT", "0")))
+"""
+
+
+def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, monkeypatch):
+    """Each run is a process: stock is plain Python (ump never imported),
+    the other configuration ``python -m ump run``; the printed GPU times are
+    summed; a warm-up round is not recorded; rounds turn the configurations'
+    order; the table gives ratios, their spread over rounds and the
+    geometric mean."""
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+    monkeypatch.setenv("UMP_BACKEND", "bogus")  # the runner starts programs without the caller's UMP_*
+    prog = programs.Program("cg", "cg/cg.py", ("--tol", "1"), programs._GPU_SECONDS)
+    err = io.StringIO()
+    results, skipped = programs.run(["stock", "auto"], 2, str(tmp_path), programs=(prog,), progress=err)
+    lines = log.read_text().splitlines()
+    stock, ump_run = "['--tol', '1'] False None", "['--tol', '1'] True 1"
+    assert lines == [stock, ump_run, stock, stock, ump_run]  # warm-up (stock) + 2 rounds, turning
+    assert skipped == {}
+    per = results["program cg"]
+    assert per["stock"]["gpu_times"] == [0.75e6, 0.75e6] and per["auto"]["returncodes"] == [0, 0]
+    assert all(t >= 0.05e6 for t in per["stock"]["cpu_times"] + per["auto"]["cpu_times"])
+    assert "[5/5] round 2/2 cg [auto]" in err.getvalue() and "left)" in err.getvalue()
+    assert ", GPU 0.750 s, exit 0" in err.getvalue()
+    text = programs.table({"configs": ["stock", "auto"], "results": results})
+    assert "| cg | " in text and "geometric mean of stock / auto, printed GPU time: 1.000" in text
+
+
+def test_programs_that_fail_or_need_a_missing_module_are_reported(tmp_path, monkeypatch):
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(tmp_path / "log"))
+    monkeypatch.setenv("FAKE_PROGRAM_EXIT", "3")
+    fails = programs.Program("cg", "cg/cg.py")
+    needs = programs.Program("plots", "cg/cg.py", needs=("no_such_module_here",))
+    results, skipped = programs.run(["stock"], 1, str(tmp_path), warmup=0, programs=(fails, needs),
+                                    progress=io.StringIO())
+    assert skipped == {"program plots": "no_such_module_here is not installed"}
+    assert results["program cg"]["stock"]["returncodes"] == [3]
+    assert "exit [3]" in programs.table({"configs": ["stock", "auto"],
+                                         "results": {"program cg": {**results["program cg"],
+                                                                    "auto": results["program cg"]["stock"]}}})
+
+
+def test_the_programs_suite_names_where_to_get_cupys_examples(tmp_path, monkeypatch):
+    from ump.bench import programs
+
+    monkeypatch.delenv(programs.ENV, raising=False)
+    with pytest.raises(ValueError, match="git clone .*cupy"):
+        programs.examples_dir()
+    with pytest.raises(ValueError, match="cg/cg.py is missing"):
+        programs.examples_dir(str(tmp_path))
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text("")
+    monkeypatch.setenv(programs.ENV, str(tmp_path))
+    assert programs.examples_dir() == str(tmp_path)
+    assert programs.command("stock", "x.py", ("-a",))[1:] == ["x.py", "-a"]
+    assert programs.command("auto", "x.py")[1:] == ["-m", "ump", "run", "x.py"]
+    assert programs.command("managed:migrate", "x.py")[1:] == [
+        "-m", "ump", "run", "--backend", "managed", "--placement", "migrate", "x.py"]

@@ -442,6 +442,118 @@ def test_placement_auto_keeps_a_peeked_block_on_the_gpu(gpu_caps):
     assert a[-1] == 9.0 and a.sum() == 9.0 * a.size  # NumPy reads all of it at the end
 
 
+def _solve_loop(cupy, placement, A, steps, device=0):
+    """A solver's shape (CuPy's examples/cg): a matrix handed over once, then
+    steps of a product with it and a scalar read of another array. The
+    step at which the matrix's block went to the GPU (None: never)."""
+    _, base, size = ump._core.lookup(A.ctypes.data)
+    g = cupy.asarray(A)
+    v = cupy.ones(A.shape[1], dtype=A.dtype)
+    moved_at = None
+    for step in range(steps):
+        w = g @ v
+        assert float(w[-1]) == A.shape[1]  # a scalar of another array: the host waits
+        if moved_at is None and placement.state(base, size).on_gpu == device:
+            moved_at = step
+    assert (base, size) not in placement.pending or moved_at is None
+    return moved_at, placement.state(base, size), g
+
+
+@pytest.mark.serial
+def test_placement_auto_moves_a_matrix_kernels_read_between_scalar_reads(gpu_caps):
+    """Serial: the rule weighs the host's waits, which other processes'
+    kernels on the GPU would lengthen. 32 MiB read over the link by each
+    product (~1.3 ms): the loss passes one way plus the host's faults
+    (~7 ms) after a few steps, and the block moves to the GPU, while every
+    product stays right; the export brings it back and it is heavy."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    A = np.ones((2048, 2048))
+    warm = cupy.ones((8, 8)) @ cupy.ones(8)  # cuBLAS loaded before anything is timed
+    float(warm[0])
+    moved_at, state, g = _solve_loop(cupy, placement, A, 60)
+    assert moved_at is not None and 2 <= moved_at < 40, moved_at
+    assert state.synced
+    g *= 2
+    back = cupy.asnumpy(g)
+    assert back.ctypes.data == A.ctypes.data and state.on_gpu is None and state.heavy
+    assert A.sum() == 2.0 * A.size
+
+
+@pytest.mark.serial
+def test_placement_auto_leaves_a_single_pass_on_the_host(gpu_caps):
+    """One kernel over 64 MiB, a scalar read of another array, then the
+    host reads the block: it was weighed at the scalar read and stays on
+    the host (one pass over the link costs less than any migration)."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    warm = cupy.ones(8, dtype=np.float32)
+    warm *= 2
+    float(warm.sum())
+    a = np.ones(16 << 20, dtype=np.float32)
+    _, base, size = ump._core.lookup(a.ctypes.data)
+    g = cupy.asarray(a)
+    assert (base, size) in placement.pending  # followed from its hand-off
+    g *= 2
+    assert float(g[:256].sum()) == 512.0  # another array's scalar: the host waits for the pass
+    assert placement.state(base, size).on_gpu is None and (base, size) in placement.pending
+    b = cupy.asnumpy(g)
+    assert b[::1024].sum() == 2.0 * (b.size // 1024)
+    state = placement.state(base, size)
+    assert (state.on_gpu, state.heavy, state.synced) == (None, False, False)
+    assert (base, size) not in placement.pending
+
+
+def test_placement_auto_moves_an_upload_at_the_next_allocation(gpu_caps):
+    """``g = cupy.asarray(a); del a``: only CuPy's view holds the NumPy
+    array, and the next kernel's output allocation moves the block to the
+    GPU, before any wait; the export brings it back at the same address."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    a = np.ones(16 << 20, dtype=np.float32)
+    addr = a.ctypes.data
+    _, base, size = ump._core.lookup(addr)
+    g = cupy.asarray(a)
+    del a
+    assert placement.state(base, size).on_gpu is None
+    y = g * 2
+    assert placement.state(base, size).on_gpu == 0 and placement.state(base, size).synced
+    assert float(y[-1]) == 2.0 and float(y.sum()) == 2.0 * y.size
+    back = cupy.asnumpy(g)
+    assert back.ctypes.data == addr and back[-1] == 1.0 and placement.state(base, size).on_gpu is None
+
+
+@pytest.mark.serial
+def test_placement_auto_moves_a_matrix_to_the_device_its_view_lives_on(gpu_caps):
+    """On GPU 1 (``cupy.cuda.Device(1)``): the waits counted are GPU 1's and
+    the block moves to GPU 1, not to the current device of the process's
+    start."""
+    if len(gpu_caps.devices) < 2:
+        pytest.skip("needs two GPUs")
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    A = np.ones((2048, 2048))
+    with cupy.cuda.Device(1):
+        warm = cupy.ones((8, 8)) @ cupy.ones(8)
+        float(warm[0])
+        moved_at, state, _ = _solve_loop(cupy, placement, A, 60, device=1)
+    assert moved_at is not None and state.device == 1 and state.on_gpu == 1
+    assert placement.waits.get(1, 0.0) > 0.0
+    assert _range_attribute(A.ctypes.data, A.nbytes, "LastPrefetchLocation") == 1
+
+
 def _range_attribute(ptr: int, size: int, name: str) -> int:
     """cudaMemRangeAttribute<name> of a managed range, read from the driver:
     -1 the host, a device index, -2 none."""

@@ -592,3 +592,207 @@ def test_two_threads_exporting_one_block_take_turns_while_other_blocks_go_on(mov
     assert not second.is_alive() and errors == [] and other == [None, False]
     assert policy.state(BASE, GiB).heavy and policy.state(BASE, GiB).exports == 2
     assert policy.state(BASE + 2 * GiB, GiB) is not None
+
+
+# --- work between other arrays' reads ------------------------------------------
+
+class FakeLease:
+    """The owner of CuPy's view: holds the NumPy array while the view lives."""
+
+    __slots__ = ("array", "__weakref__")
+
+    def __init__(self, array):
+        self.array = array
+
+
+def _sync(policy, cupy, seconds, device=0, exclude=None):
+    """Kernels costing `seconds`, then a read of another array that waited for them."""
+    cupy.work(seconds)
+    policy.on_sync(device, seconds, exclude)
+
+
+HELD_COST = _placement.ONE_WAY_SECONDS_PER_BYTE + _placement.HOST_FAULTS_SECONDS_PER_BYTE
+
+
+def test_a_block_read_by_kernels_between_other_arrays_reads_moves_once_the_loss_beats_its_cost(moves):
+    """A solver's matrix: handed over once, then kernels and scalar reads of
+    other arrays. The program still holds the NumPy array, so the host may
+    fault it back: the loss must beat one way plus the host's faults."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    a = [0]  # the NumPy array, held by the program
+    lease = FakeLease(a)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    steps = 0
+    while not moves:
+        _sync(policy, cupy, 0.01)
+        steps += 1
+    lost = steps * 0.01 * (1 - 1 / _placement.LINK_OVER_HBM)
+    assert lost > HELD_COST * GiB > lost - 0.01  # the first read past the cost moved it
+    assert moves == [(GiB, 0)] and policy.state(BASE, GiB).on_gpu == 0
+    _sync(policy, cupy, 1.0)
+    assert moves == [(GiB, 0)]  # once
+    del lease
+
+
+def test_a_block_only_cupys_view_holds_moves_once_the_loss_beats_one_way(moves):
+    """``x = cupy.asarray(x)``: the host can reach the memory only through
+    an export, which brings it back: one way is all the migration costs."""
+    import numpy
+
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    lease = FakeLease(numpy.ones(4))  # nothing else holds the array
+    policy.on_handoff("managed", BASE, GiB, lease)
+    _sync(policy, cupy, 0.02)  # 19 ms lost: under one way (22 ms)
+    assert moves == []
+    _sync(policy, cupy, 0.01)
+    assert moves == [(GiB, 0)]
+
+
+def test_a_single_pass_and_its_own_export_do_not_move_the_block(moves):
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    held = [0]
+    policy.on_handoff("managed", BASE, GiB, FakeLease(held))
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    _sync(policy, cupy, 0.026)  # one kernel over the link, read by a scalar of another array
+    cupy.work(0.026)
+    policy.on_sync(0, 0.5, exclude=(BASE, GiB))  # the block's own export decides, not this wait
+    policy.on_host_export("managed", BASE, GiB, 0.5)
+    _sync(policy, cupy, 5.0)  # exported: with the host now
+    assert moves == [] and policy.state(BASE, GiB).on_gpu is None
+
+
+def test_a_block_whose_view_died_or_on_another_device_is_not_moved(moves):
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    held = [0]
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    _sync(policy, cupy, 5.0, device=1)  # another GPU's work
+    assert moves == []
+    del lease  # CuPy dropped its view
+    _sync(policy, cupy, 5.0)
+    assert moves == [] and not policy.pending
+
+
+def test_every_hand_off_starts_the_count_over(moves):
+    """A program handing the array over anew each step (stock CuPy copies it
+    each time) pays at most one interval's work over the link."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    held = [0]
+    for _ in range(10):
+        lease = FakeLease(held)
+        policy.on_handoff("managed", BASE, GiB, lease)
+        _sync(policy, cupy, 0.1)  # under the cost each time
+    assert moves == []
+
+
+def test_a_block_moved_between_reads_comes_back_at_its_export_and_is_heavy(moves):
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    held = [0]
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    _sync(policy, cupy, 0.3)
+    assert moves == [(GiB, 0)]
+    policy.on_host_export("managed", BASE, GiB, 0.01)
+    assert moves == [(GiB, 0), (GiB, -1)] and policy.state(BASE, GiB).heavy
+    policy.on_handoff("managed", BASE, GiB, lease)  # the next round trip migrates at once
+    assert moves[-1] == (GiB, 0)
+
+
+def test_moves_between_reads_need_auto_room_and_no_capture(moves):
+    held = [0]
+    for mode in ("host", "migrate"):
+        cupy = FakeCupy()
+        policy = _policy(cupy, mode)
+        lease = FakeLease(held)
+        policy.on_handoff("managed", BASE, GiB, lease)
+        before = list(moves)
+        _sync(policy, cupy, 5.0)
+        assert moves == before and not policy.pending
+    moves.clear()
+    cupy = FakeCupy(free=GiB)  # no room beside the headroom
+    policy = _policy(cupy)
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    _sync(policy, cupy, 5.0)
+    assert moves == [] and policy.state(BASE, GiB).on_gpu is None
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    cupy.capturing = True
+    _sync(policy, cupy, 5.0)
+    assert moves == []
+    cupy.capturing = False
+    _sync(policy, cupy, 0.001)  # the next wait decides
+    assert moves == [(GiB, 0)]
+
+
+class FakeWatch:
+    """The switch on CuPy's allocations the hook gives the policy."""
+
+    def __init__(self):
+        self.on = False
+
+    def __call__(self, on: bool) -> bool:
+        self.on = on
+        return on
+
+
+def _watched_policy(cupy):
+    watch = FakeWatch()
+    options = types.SimpleNamespace(placement="auto", prefetch_min=2 * MiB)
+    return _placement.Placement(cupy, options, headroom=GiB, watch=watch), watch
+
+
+def test_an_upload_only_cupy_holds_moves_at_the_next_allocation(moves):
+    """``x = cupy.asarray(x)``: the program let go of the NumPy array; the
+    next kernel's output allocation moves it, before any wait."""
+    import numpy
+
+    cupy = FakeCupy()
+    policy, watch = _watched_policy(cupy)
+    lease = FakeLease(numpy.ones(4))
+    policy.on_handoff("managed", BASE, GiB, lease)
+    assert watch.on and moves == []
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
+    assert moves == [(GiB, 0)] and policy.state(BASE, GiB).synced
+    assert not policy.uploads and not watch.on  # nothing more to ask
+
+
+def test_an_array_the_program_holds_is_asked_about_a_few_allocations_only(moves):
+    import numpy
+
+    cupy = FakeCupy()
+    policy, watch = _watched_policy(cupy)
+    held = numpy.ones(4)
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    for _ in range(_placement.HOLD_CHECKS):
+        policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
+    assert moves == [] and not policy.uploads and not watch.on
+    assert (BASE, GiB) in policy.pending  # the waits still decide
+    del held
+    policy.on_handoff("managed", BASE, GiB, lease)  # handed over again: asked again
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
+    assert moves == [(GiB, 0)]
+
+
+def test_an_upload_the_program_lets_go_of_later_moves_then(moves):
+    import numpy
+
+    cupy = FakeCupy()
+    policy, watch = _watched_policy(cupy)
+    held = numpy.ones(4)
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
+    assert moves == []
+    del held
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
+    assert moves == [(GiB, 0)]

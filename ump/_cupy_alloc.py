@@ -235,7 +235,7 @@ class Lease:
     """Owner of a CuPy view of NumPy memory: hands the NumPy array to the
     release queue when CuPy drops the view."""
 
-    __slots__ = ("array", "queue", "device")
+    __slots__ = ("array", "queue", "device", "__weakref__")  # the placement follows it weakly
 
     def __init__(self, array, queue: ReleaseQueue, device: int):
         self.array = array

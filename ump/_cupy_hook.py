@@ -122,10 +122,12 @@ class CupyHook:
         self._saved_allocator = None
 
     # --- waiting for the GPU -------------------------------------------------
-    def synchronize(self, stream=None, device=None):
+    def synchronize(self, stream=None, device=None, exporting=None) -> float:
         """Wait for what a reader must not overtake: the device's work (or
         ``stream``'s with ``sync="stream"``); after a device-wide wait,
-        release NumPy memory that CuPy views used on that device.
+        release NumPy memory that CuPy views used on that device. Returns
+        the seconds waited, which the placement policy weighs
+        (``exporting``: the block being exported, which its export decides).
 
         Raises
         ------
@@ -137,14 +139,19 @@ class CupyHook:
         self._refuse_while_capturing(stream)
         if stream is not None and self.options.sync != "stream":
             self._refuse_while_capturing(None)  # a device-wide wait stops any capture on it
-        self._wait(stream, device)
+        return self._wait(stream, device, exporting)
 
-    def _wait(self, stream, device):
+    def _wait(self, stream, device, exporting=None) -> float:
         self._declare_synchronize()
+        start = time.perf_counter()
         if stream is not None and self.options.sync == "stream":
             stream.synchronize()
-            return
-        self.release.wait_for(device)
+        else:
+            self.release.wait_for(device)
+        waited = time.perf_counter() - start
+        self.placement.on_sync(self.cupy.cuda.runtime.getDevice() if device is None else device,
+                               waited, exporting)
+        return waited
 
     def _refuse_while_capturing(self, stream=None):
         if capturing(self.cupy, stream):
@@ -179,10 +186,11 @@ class CupyHook:
         if found is None:
             return None
         kind, base, size, lo, hi, _ = found
-        self.placement.on_handoff(kind, base, size)
         cuda = self.cupy.cuda
         device = cuda.runtime.getDevice()
-        mem = cuda.memory.UnownedMemory(lo, hi - lo, Lease(a, self.release, device), device)
+        lease = Lease(a, self.release, device)
+        self.placement.on_handoff(kind, base, size, lease)
+        mem = cuda.memory.UnownedMemory(lo, hi - lo, lease, device)
         memptr = cuda.memory.MemoryPointer(mem, ptr - lo)
         return self.cupy.ndarray(a.shape, dtype, memptr, a.strides)
 
@@ -251,9 +259,7 @@ class CupyHook:
         kind, base, size, lo, hi, owner = found
         waited = None
         if sync:
-            start = time.perf_counter()
-            self.synchronize(stream, g.data.device_id)
-            waited = time.perf_counter() - start
+            waited = self.synchronize(stream, g.data.device_id, exporting=(base, size))
         else:
             self._refuse_while_capturing(stream)  # the kernels have not even run
         self.placement.on_host_export(kind, base, size, waited, stream)

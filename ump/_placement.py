@@ -18,6 +18,30 @@ reallocates the same array learns too:
   link, at the slowdown of a memory-bound kernel, they would have cost
   under half a migration there and back, the work has shrunk and the block
   is host-resident again until it earns the migration anew.
+- **Work between other arrays' reads** (the block is handed over, then
+  kernels read it again and again while the host reads only other arrays,
+  such as a solver's scalar residual): at every wait for the GPU that ump
+  makes (exports of any array, scalar reads among them), the host's waits
+  on the block's device since its last hand-off are a lower bound of the
+  GPU time spent meanwhile, of which over the link about 95 % would be
+  lost if the kernels read this block. Once that loss exceeds what the
+  migration can cost, ump migrates the block, while its CuPy view is
+  alive: one way when nothing but CuPy's view holds the NumPy array (the
+  host can then reach it only through an export, which ump sees and brings
+  back), one way plus the host's faults bringing it back otherwise (the
+  host may read it in place). The block's export then brings it back and
+  makes it *heavy*, as a round trip whose work beat a migration. The count
+  starts over at every hand-off: a program that hands the array over anew
+  each step (stock CuPy copies it each time) pays at most one interval's
+  work over the link before a migration.
+- **Uploads** (``x = cupy.asarray(x)``, ``cupy.asarray(numpy.load(f))``:
+  nothing but CuPy's view holds the NumPy array any more): the program
+  gave the data to the GPU, and the host can have it back only through an
+  export. ump asks at the first CuPy allocations after the hand-off (the
+  next kernel's output, typically) and migrates such a block at once, one
+  way, for what stock CuPy's copy at the hand-off would cost five times
+  over; otherwise the first kernels before any wait would all read it over
+  the link.
 - **Peek loops** (the block stays with CuPy; exports follow one another with
   no hand-off between, the host reading a little each time): from the second
   export on, when the GPU time between two exports exceeds migrating the
@@ -50,14 +74,20 @@ block's return to the arena.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 import threading
 import time
+import weakref
+
+import numpy
 
 from . import _core
 from ._cupy_compat import capturing
 from ._errors import UmpError
 
-__all__ = ["Placement", "MIGRATION_SECONDS_PER_BYTE", "ONE_WAY_SECONDS_PER_BYTE", "LINK_OVER_HBM"]
+__all__ = ["Placement", "MIGRATION_SECONDS_PER_BYTE", "ONE_WAY_SECONDS_PER_BYTE",
+           "HOST_FAULTS_SECONDS_PER_BYTE", "LINK_OVER_HBM"]
 
 #: What migrating managed memory to the GPU and back costs, per byte: 21 ms
 #: there and 109 ms back per GiB, measured in the round-trip workflow on an
@@ -67,14 +97,68 @@ MIGRATION_SECONDS_PER_BYTE = 0.130 / 2**30
 #: GiB on the same H200 (docs/backends.md, "How fast managed memory moves").
 ONE_WAY_SECONDS_PER_BYTE = 0.022 / 2**30
 
+#: What the host's page faults cost to bring a migrated block back, per
+#: byte: reading 1 GiB of managed memory the GPU wrote takes 200 ms on the
+#: same H200 (docs/backends.md). A block the host still holds may come back
+#: this way, unseen by ump.
+HOST_FAULTS_SECONDS_PER_BYTE = 0.200 / 2**30
+
 #: How many times longer a memory-bound kernel takes over the link than in
 #: HBM: 25.5 against 1.3 ms per GiB on the same H200 (docs/backends.md). A
 #: kernel bound by compute loses less, so scaling GPU time by this ratio
 #: overstates what the host-resident block would cost.
 LINK_OVER_HBM = 20
 
+#: Each move the policy makes, at DEBUG level.
+log = logging.getLogger("ump.placement")
+
 #: Blocks whose state is kept; past it the table starts over.
 MAX_BLOCKS = 4096
+#: Blocks handed over and followed across other arrays' reads; past it the
+#: oldest is dropped (it stays where it is).
+MAX_PENDING = 256
+#: CuPy allocations after a hand-off at which ump asks whether the program
+#: still holds the NumPy array (``x = cupy.asarray(x)`` lets go of it at
+#: once); past them only waits decide.
+HOLD_CHECKS = 4
+
+
+def _chain_refs(array):
+    """The reference counts of ``array`` and of each array its memory is a
+    view of, and the object that owns the memory in the end (None: NumPy)."""
+    counts = []
+    x = array
+    while isinstance(x, numpy.ndarray):
+        counts.append(sys.getrefcount(x))
+        x = x.base
+    return counts, x
+
+
+class _Holder:
+    __slots__ = ("array",)
+
+
+def _orphan_refs():
+    """What :func:`_chain_refs` reports for a view of a view that nothing
+    but one holder's slot refers to: (the first array's count, a base's),
+    measured once on this interpreter, whose reference accounting differs
+    between versions."""
+    holder = _Holder()
+    holder.array = numpy.empty(2)[1:]
+    counts, _ = _chain_refs(holder.array)
+    return counts[0], counts[1]
+
+
+_ORPHAN_REFS = _orphan_refs()
+
+
+def only_view_holds(lease) -> bool:
+    """Whether nothing but ``lease`` (the owner of CuPy's view) refers to the
+    NumPy array it holds and to the arrays that one views: the program can
+    then reach the memory only through CuPy."""
+    counts, owner = _chain_refs(lease.array)
+    first, base = _ORPHAN_REFS
+    return owner is None and counts[0] <= first and all(c <= base for c in counts[1:])
 
 
 @dataclasses.dataclass
@@ -88,6 +172,11 @@ class BlockState:
     host_seconds: float | None = None  # GPU time of the last interval spent host-resident
     moved: bool = False         # migrated since the last export: the next interval holds its cost
     stay_host: bool = False     # a trial on the GPU lost: host-resident until the next hand-off
+    device: int = -1            # the device of its last hand-off
+    mark: float = 0.0           # the host's waits on that device at that hand-off
+    lease: object = None        # a weak reference to the owner of CuPy's view then
+    synced: bool = False        # migrated at another array's read since the hand-off
+    hold_checks: int = 0        # CuPy allocations left at which to ask if only CuPy holds it
     # Its hand-offs and exports take turns (an export may wait for a move);
     # other blocks' go on meanwhile.
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock, repr=False, compare=False)
@@ -121,6 +210,13 @@ class Placement:
         self.blocks: dict[tuple[int, int], BlockState] = {}
         self.results: dict[tuple[int, int], ResultState] = {}
         self.mapped: dict[tuple[int, int], ResultState] = {}  # the results now host-mapped
+        #: Blocks handed over whose CuPy view may still be read by kernels,
+        #: host-resident: weighed at every wait (:meth:`on_sync`).
+        self.pending: dict[tuple[int, int], BlockState] = {}
+        self.waits: dict[int, float] = {}  # device -> seconds the host waited for it
+        #: Pending blocks asked at CuPy's allocations whether only CuPy holds
+        #: them (the watch is on while any is).
+        self.uploads: set[tuple[int, int]] = set()
         #: Switches the watch on CuPy's allocations (:meth:`on_cupy_malloc`)
         #: on or off and answers whether it is on; None: no watch can be had.
         self.watch = watch
@@ -145,17 +241,20 @@ class Placement:
             return
         device = self.cupy.cuda.runtime.getDevice()
         _core.prefetch(base, size, device, stream.ptr)
+        log.debug("block %#x (%d bytes) to GPU %d", base, size, device)
         state.on_gpu = device
         state.moved = True
 
     def _to_host(self, state: BlockState, base: int, size: int, stream, wait: bool) -> None:
+        log.debug("block %#x (%d bytes) back to the host", base, size)
         _core.prefetch(base, size, -1, stream.ptr)
         if wait:
             stream.synchronize()  # else the caller waits for the stream, as CuPy's contract says
         state.on_gpu = None
 
-    def on_handoff(self, kind: str, base: int, size: int) -> None:
-        """A NumPy array's block is handed to CuPy."""
+    def on_handoff(self, kind: str, base: int, size: int, lease=None) -> None:
+        """A NumPy array's block is handed to CuPy (``lease``: the owner of
+        CuPy's view, which holds the NumPy array while the view lives)."""
         if kind != "managed" or size < self.min_bytes or self.mode == "host":
             return
         if capturing(self.cupy):
@@ -168,6 +267,27 @@ class Placement:
                 state = self.blocks[(base, size)] = BlockState()
         with state.lock:
             self._handoff(state, base, size)
+            self._follow(state, base, size, lease)
+
+    def _follow(self, state: BlockState, base: int, size: int, lease) -> None:
+        """Weigh a host-resident block at the waits to come (auto only)."""
+        key = (base, size)
+        with self._lock:
+            self.pending.pop(key, None)
+            self.uploads.discard(key)
+            if self.mode != "auto" or state.on_gpu is not None or lease is None:
+                self._unwatch()
+                return
+            state.device = self.cupy.cuda.runtime.getDevice()
+            state.mark = self.waits.get(state.device, 0.0)
+            state.lease = weakref.ref(lease)
+            if len(self.pending) >= MAX_PENDING:
+                self.uploads.discard(next(iter(self.pending)))
+                del self.pending[next(iter(self.pending))]
+            self.pending[key] = state
+            if self.watch is not None and self.watch(True):
+                state.hold_checks = HOLD_CHECKS
+                self.uploads.add(key)
 
     def _handoff(self, state: BlockState, base: int, size: int) -> None:
         if state.peeked and state.exports < 2:
@@ -207,12 +327,19 @@ class Placement:
             return
         if capturing(self.cupy):
             return  # an event recorded or a stream waited for now would break the capture
+        with self._lock:
+            self.pending.pop((base, size), None)  # with the host now
+            self.uploads.discard((base, size))
         with state.lock:
             self._export(state, base, size, waited,
                          self.cupy.cuda.get_current_stream() if stream is None else stream)
 
     def _export(self, state: BlockState, base: int, size: int, waited: float | None, stream) -> None:
         state.exports += 1
+        if state.synced:
+            # Its work since the hand-off paid for a migration: a round trip
+            # that beat one, as a heavy block's does.
+            state.synced, state.heavy = False, True
         if state.on_gpu is not None and state.start is not None:
             # A heavy block's round trip on the GPU, timed from the migration's end.
             self._reconsider_heavy(state, size, self._elapsed(state, stream, waited))
@@ -290,6 +417,55 @@ class Placement:
         else:
             state.peeked = True
 
+    # --- work between other arrays' reads ------------------------------------
+    def on_sync(self, device: int, waited: float | None, exclude=None) -> None:
+        """The host waited ``waited`` seconds for ``device`` (None: it did
+        not wait); ``exclude``: the block being exported, which its export
+        decides. A host-resident block whose CuPy view lives, and on whose
+        device the GPU has worked long enough since its hand-off that
+        reading it over the link would have lost more than its migration
+        costs, is migrated there."""
+        if self.mode != "auto" or waited is None:
+            return
+        with self._lock:
+            total = self.waits[device] = self.waits.get(device, 0.0) + waited
+            due = []
+            for key, state in list(self.pending.items()):
+                if key == exclude or state.device != device:
+                    continue
+                lease = state.lease()
+                if lease is None:  # CuPy dropped its view: no kernel can reach it anew
+                    del self.pending[key]
+                    self.uploads.discard(key)
+                    continue
+                lost = (total - state.mark) * (1 - 1 / LINK_OVER_HBM)
+                if lost > key[1] * ONE_WAY_SECONDS_PER_BYTE:
+                    due.append((key, state, lease, lost))
+        for key, state, lease, lost in due:
+            orphan = only_view_holds(lease)
+            cost = key[1] * (ONE_WAY_SECONDS_PER_BYTE + (0 if orphan else HOST_FAULTS_SECONDS_PER_BYTE))
+            if lost > cost:
+                self._migrate_pending(key, state, device)
+                log.debug("block %#x (%d bytes) to GPU %d at another array's read: %.4f s lost over "
+                          "the link since its hand-off, moving costs %.4f s (only CuPy holds it: %s)",
+                          key[0], key[1], device, lost, cost, orphan)
+            del lease
+
+    def _migrate_pending(self, key, state: BlockState, device: int) -> None:
+        if capturing(self.cupy):
+            return  # a prefetch now would break the capture; a later wait decides
+        with state.lock:
+            with self._lock:
+                if self.pending.get(key) is not state:
+                    return  # exported or handed over again meanwhile
+                del self.pending[key]
+                self.uploads.discard(key)
+            cuda = self.cupy.cuda
+            with cuda.Device(device):
+                state.start = None  # the hand-off's round trip is timed no more
+                self._to_gpu(state, key[0], key[1], cuda.get_current_stream())
+            state.synced = state.on_gpu is not None
+
     # --- results the host reads back -----------------------------------------
     def close(self) -> None:
         """Put every host-mapped result back on the GPU (``disable()``: the
@@ -328,12 +504,40 @@ class Placement:
             state.last_wait, state.lo, state.hi = waited, lo, hi
             self._check_lives()
 
+    def _check_uploads(self) -> None:
+        """At a CuPy allocation: migrate the blocks handed over that nothing
+        but CuPy's view holds any more; stop asking about a block after
+        :data:`HOLD_CHECKS` allocations."""
+        due = []
+        with self._lock:
+            for key in list(self.uploads):
+                state = self.pending.get(key)
+                lease = None if state is None else state.lease()
+                if lease is not None and only_view_holds(lease):
+                    due.append((key, state))
+                elif lease is not None and state.hold_checks > 1:
+                    state.hold_checks -= 1
+                    continue
+                self.uploads.discard(key)
+            self._unwatch()
+        for key, state in due:
+            self._migrate_pending(key, state, state.device)
+            log.debug("block %#x (%d bytes) to GPU %d: only CuPy holds it", key[0], key[1], state.device)
+
+    def _unwatch(self) -> None:
+        """Switch the watch off once nothing needs it (under ``_lock``)."""
+        if not self.mapped and not self.uploads and self.watch is not None:
+            self.watch(False)
+
     def on_cupy_malloc(self, ptr: int, size: int) -> None:
         """CuPy's pool handed out ``[ptr, ptr + size)`` (only while the
         watch is on): a host-mapped block that another array now uses goes
-        back to the GPU."""
+        back to the GPU; a block handed over that only CuPy holds now goes
+        to it."""
         if capturing(self.cupy):
             return  # no move now (it would invalidate the capture); the next allocation decides
+        if self.uploads:
+            self._check_uploads()
         with self._lock:
             now = self.clock()
             for key, state in list(self.mapped.items()):
@@ -385,8 +589,7 @@ class Placement:
             return
         base, size = key
         device, state.device, state.retired, state.reused_at = state.device, -1, True, None
-        if not self.mapped and self.watch is not None:
-            self.watch(False)
+        self._unwatch()
         cuda = self.cupy.cuda
         try:
             with cuda.Device(device):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
+import importlib.util
 import platform
 
 from ._errors import UmpError
@@ -62,33 +62,76 @@ class DeviceInfo:
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """The result of :func:`probe`. ``gpu`` is False with ``reason`` set when
-    no usable GPU was found; the version fields are None when not installed."""
+    no usable GPU was found; the version attributes are None when not
+    installed, and are read when first asked for (reading them costs
+    ``enable()`` time a program started by ``python -m ump run`` would pay)."""
 
     gpu: bool
     reason: str | None
     devices: tuple[DeviceInfo, ...]
     driver_version: int | None
-    runtime_version: int | None
     python_version: str
-    numpy_version: str | None
-    cupy_version: str | None
-    numpy_allocator_version: str | None
-    cuda_bindings_version: str | None
+
+    @functools.cached_property
+    def runtime_version(self) -> int | None:
+        return _runtime_version() if self.gpu else None
+
+    @functools.cached_property
+    def numpy_version(self) -> str | None:
+        return _dist_version("numpy")
+
+    @functools.cached_property
+    def cupy_version(self) -> str | None:
+        return _cupy_version()
+
+    @functools.cached_property
+    def numpy_allocator_version(self) -> str | None:
+        return _dist_version("numpy_allocator", "numpy-allocator")
+
+    @functools.cached_property
+    def cuda_bindings_version(self) -> str | None:
+        return _dist_version("cuda-bindings", "cuda_bindings")
+
+    def as_dict(self) -> dict:
+        """Every field and version, as plain data (JSON)."""
+        out = dataclasses.asdict(self)
+        out.update((name, getattr(self, name)) for name in VERSIONS)
+        return out
+
+
+#: The attributes of :class:`Capabilities` read when first asked for.
+VERSIONS = ("runtime_version", "numpy_version", "cupy_version", "numpy_allocator_version",
+            "cuda_bindings_version")
 
 
 def _dist_version(*names: str) -> str | None:
+    from importlib import metadata
+
     for name in names:
         try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
             continue
     return None
+
+
+#: The distributions CuPy ships as, tried before a scan of every installed
+#: distribution (which reads each one's metadata: a tenth of a second in a
+#: large environment, paid by every program ``python -m ump run`` starts).
+CUPY_DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy")
 
 
 def _cupy_version() -> str | None:
     # CuPy ships as cupy-cudaXXx wheels (or cupy from source): look the
     # distribution up rather than import CuPy, which probing must not do.
-    for dist in importlib.metadata.distributions():
+    if importlib.util.find_spec("cupy") is None:
+        return None
+    version = _dist_version(*CUPY_DISTRIBUTIONS)
+    if version is not None:
+        return version
+    from importlib import metadata
+
+    for dist in metadata.distributions():
         name = (dist.metadata["Name"] or "").lower()
         if name == "cupy" or name.startswith("cupy-cuda") or name.startswith("cupy-rocm"):
             return dist.version
@@ -167,28 +210,28 @@ def _runtime_version() -> int | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _probe_gpu() -> tuple[bool, str | None, tuple[DeviceInfo, ...], int | None, int | None]:
+def _probe_gpu() -> tuple[bool, str | None, tuple[DeviceInfo, ...], int | None]:
     try:
         from cuda.bindings import driver
     except ImportError as err:
         if isinstance(err, ModuleNotFoundError) and err.name in ("cuda", "cuda.bindings"):
-            return False, CUDA_BINDINGS_MISSING, (), None, None
-        return False, f"cuda-bindings is installed but not importable: {err}", (), None, None
+            return False, CUDA_BINDINGS_MISSING, (), None
+        return False, f"cuda-bindings is installed but not importable: {err}", (), None
     try:
         _call(driver.cuInit, 0)
     except _DriverError as err:
-        return False, f"the CUDA driver did not initialise: {err}", (), None, None
+        return False, f"the CUDA driver did not initialise: {err}", (), None
     except Exception as err:  # the driver library itself is missing
-        return False, f"no CUDA driver: {err}", (), None, None
+        return False, f"no CUDA driver: {err}", (), None
     try:
         version = int(_call(driver.cuDriverGetVersion))
         count = int(_call(driver.cuDeviceGetCount))
         devices = tuple(_probe_device(driver, i) for i in range(count))
     except _DriverError as err:
-        return False, f"probing the GPU failed: {err}", (), None, None
+        return False, f"probing the GPU failed: {err}", (), None
     if not devices:
-        return False, "the CUDA driver reports no device", (), version, None
-    return True, None, devices, version, _runtime_version()
+        return False, "the CUDA driver reports no device", (), version
+    return True, None, devices, version
 
 
 def check_device_index(device) -> int:
@@ -232,16 +275,6 @@ def probe() -> Capabilities:
     -------
     Capabilities
     """
-    gpu, reason, devices, driver_version, runtime_version = _probe_gpu()
-    return Capabilities(
-        gpu=gpu,
-        reason=reason,
-        devices=devices,
-        driver_version=driver_version,
-        runtime_version=runtime_version,
-        python_version=platform.python_version(),
-        numpy_version=_dist_version("numpy"),
-        cupy_version=_cupy_version(),
-        numpy_allocator_version=_dist_version("numpy_allocator", "numpy-allocator"),
-        cuda_bindings_version=_dist_version("cuda-bindings", "cuda_bindings"),
-    )
+    gpu, reason, devices, driver_version = _probe_gpu()
+    return Capabilities(gpu=gpu, reason=reason, devices=devices, driver_version=driver_version,
+                        python_version=platform.python_version())

@@ -1,12 +1,15 @@
 """The perf regression suite: stock CuPy vs ump, one process per configuration.
 
 ``python -m ump bench`` runs every suite under every configuration the
-machine supports ("stock": CuPy without ump; "imported": ump imported, not
-enabled; then each backend, and the managed backend's placements), prints a
-table with ratios against stock, writes JSON (with the probe), a PNG plot of
-interop time against size, and with ``--compare OLD.json`` flags slow-downs.
-Suites that set up their own configurations (``pools``; ``dask``, the Dask
-workflow of :mod:`ump.bench.dask_pipeline`) run once, in "stock".
+machine supports ("stock": CuPy in a process that never imports ump;
+"imported": ump imported, not enabled; then each backend, and the managed
+backend's placements; "auto", what ``ump.enable()`` picks, when named),
+prints a table with ratios against stock, writes JSON (with the probe), a
+PNG plot of interop time against size, and with ``--compare OLD.json`` flags
+slow-downs. Suites that set up their own configurations (``pools``; ``dask``,
+the Dask workflow of :mod:`ump.bench.dask_pipeline`) run once, in
+"imported". The ``programs`` suite (:mod:`ump.bench.programs`) runs other
+people's programs unedited, each run a process of its own.
 """
 
 from __future__ import annotations
@@ -21,13 +24,23 @@ import sys
 import time
 
 from .. import _probe, backends
+from . import programs
 from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, NEEDS, ON_REQUEST
+
+#: The suite that runs programs as they are, not cases in a worker.
+PROGRAMS = "programs"
+
+#: The worker's report on its own process, beside the cases.
+PROCESS_KEY = "__process__"
 
 __all__ = ["ArgumentError", "configurations", "run", "compare", "table", "plot", "overhead"]
 
 #: Every configuration name the worker understands; configurations() says
 #: which of them this machine runs.
-KNOWN_CONFIGS = ("stock", "imported", *backends.names(), "managed:host", "managed:migrate")
+KNOWN_CONFIGS = ("stock", "imported", "auto", *backends.names(), "managed:host", "managed:migrate")
+#: Where the worker script lies: "stock" runs it by path, so that the
+#: package ump is never imported there.
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 
 class ArgumentError(ValueError):
@@ -45,7 +58,7 @@ def _gpu_missing(caps) -> str | None:
 
 def _suite_missing(suite: str, gpu_missing: str | None) -> str | None:
     """Why ``suite`` cannot run here, or None."""
-    if suite in GPU_SUITES and gpu_missing is not None:
+    if suite in (*GPU_SUITES, PROGRAMS) and gpu_missing is not None:
         return gpu_missing
     module, install = NEEDS.get(suite, (None, None))
     if module is not None and importlib.util.find_spec(module) is None:
@@ -65,6 +78,13 @@ def configurations(caps, smoke: bool) -> list[str]:
     return configs
 
 
+def _runnable(caps) -> list[str]:
+    """Every configuration this machine can run: the default ones, and
+    "auto" where there is a GPU."""
+    configs = configurations(caps, smoke=False)
+    return configs + (["auto"] if _gpu_missing(caps) is None else [])
+
+
 def _summary(times):
     if not times:
         return None
@@ -82,7 +102,13 @@ def _check_names(kind: str, names, known, runnable, why_not) -> None:
                                 f"it runs {', '.join(runnable)}")
 
 
-def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -> dict:
+def _worker(config: str, suites, smoke: bool) -> list[str]:
+    head = [sys.executable, WORKER] if config == "stock" else [sys.executable, "-m", "ump.bench.worker"]
+    return [*head, config, ",".join(suites), "1" if smoke else "0"]
+
+
+def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
+        programs_dir=None) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
     (stock, imported, backend, stock, ...), so that slow drift of the machine
     spreads over all configurations; repeats of all rounds are pooled. A
@@ -108,12 +134,20 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
                 return why
         return missing
 
-    runnable_suites = [s for s in (*CPU_SUITES, *GPU_SUITES) if _suite_missing(s, missing) is None]
+    known_suites = (*CPU_SUITES, *GPU_SUITES, PROGRAMS)
+    runnable_suites = [s for s in known_suites if _suite_missing(s, missing) is None]
     if suites is not None:
-        _check_names("suite", suites, (*CPU_SUITES, *GPU_SUITES), runnable_suites,
+        _check_names("suite", suites, known_suites, runnable_suites,
                      lambda s: _suite_missing(s, missing))
     if configs:
-        _check_names("configuration", configs, KNOWN_CONFIGS, configurations(caps, smoke=False), config_why_not)
+        _check_names("configuration", configs, KNOWN_CONFIGS, _runnable(caps), config_why_not)
+    folder = None
+    if suites is not None and PROGRAMS in suites:
+        try:
+            folder = programs.examples_dir(programs_dir)
+        except ValueError as err:
+            raise ArgumentError(str(err)) from None
+        suites = [s for s in suites if s != PROGRAMS]
     if suites is None:
         suites = [s for s in runnable_suites if s not in ON_REQUEST]
         for suite in ON_REQUEST:
@@ -125,19 +159,28 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
             why = _suite_missing(suite, None)
             if why is not None and (suite in CPU_SUITES or missing is None):
                 print(f"suite {suite} skipped: {why}", file=progress, flush=True)
-    # suites that set up their own configurations run once, in "stock"
-    configs = configs or (["stock"] if set(suites) <= CONFIG_FREE else configurations(caps, smoke))
+    if folder is not None and not configs:
+        configs = ["stock", "auto"]  # other people's programs: stock against what a user gets
+    # suites that set up their own configurations run once, in "imported"
+    if not configs:
+        configs = ["imported"] if set(suites) <= CONFIG_FREE else configurations(caps, smoke)
+    elif set(suites) & CONFIG_FREE and "imported" not in configs:
+        configs = [*configs, "imported"]
     raw, skipped = {}, {}
     t_start = time.perf_counter()
-    steps = [(r, c) for r in range(rounds) for c in configs]
+    steps = [(r, c) for r in range(rounds) for c in configs] if suites else []
     for i, (r, config) in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] round {r + 1}/{rounds} {config}: {', '.join(suites)} "
               f"({time.perf_counter() - t_start:.0f} s so far)", file=progress, flush=True)
-        cmd = [sys.executable, "-m", "ump.bench.worker", config, ",".join(suites), "1" if smoke else "0"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        proc = subprocess.run(_worker(config, suites, smoke), capture_output=True, text=True,
+                              env=dict(os.environ))
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark configuration {config!r} failed:\n{proc.stderr[-4000:]}")
-        for case, timing in json.loads(proc.stdout).items():
+        timings = json.loads(proc.stdout)
+        process = timings.pop(PROCESS_KEY)
+        if config == "stock" and process["ump_imported"]:
+            raise RuntimeError("the stock configuration's process imported ump")
+        for case, timing in timings.items():
             if "skipped" in timing:  # a case this machine cannot run, and why
                 if case not in skipped:
                     print(f"case skipped ({case}): {timing['skipped']}", file=progress, flush=True)
@@ -158,7 +201,12 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
         results[case] = {"suite": per.pop("suite")}
         for config, e in per.items():
             results[case][config] = {"cpu": _summary(e["cpu_times"]), "gpu": _summary(e["gpu_times"]), **e}
-    return {"probe": dataclasses.asdict(caps), "configs": configs, "smoke": smoke, "rounds": rounds,
+    if folder is not None:
+        ran, not_run = programs.run([c for c in configs if c != "imported"], rounds, folder,
+                                    gpus=len(caps.devices), progress=progress)
+        results.update(ran)
+        skipped.update(not_run)
+    return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped}
 
 
@@ -297,7 +345,8 @@ def main(args) -> int:
     else:
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
-        report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds)
+        report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
+                     programs_dir=getattr(args, "programs", None))
         if not report["results"]:
             # keep what an earlier run wrote rather than replace it with nothing
             print(f"bench: the run produced no results; {args.output} not written", file=sys.stderr)
@@ -306,6 +355,10 @@ def main(args) -> int:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
         print(table(report))
+        text = programs.table(report)
+        if text:
+            print("\nPrograms (wall time and the GPU time each program prints, against stock):")
+            print(text)
         lines = overhead(report)
         if lines:
             print("\nOverhead on dispatch (CPU time):")

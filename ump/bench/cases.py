@@ -380,7 +380,7 @@ def moves(smoke):
 
 # --- pools: ump's VMM pool against CuPy's MemoryPool and cudaMallocAsync ----
 # These cases build their own pools, so they do not depend on the
-# configuration; the runner runs them in the "stock" process only.
+# configuration; the runner runs them in the "imported" process only.
 
 def _growth(pool, step, count, repeat, keep_handles):
     """Microseconds per 2 MiB to map `count` blocks of `step` bytes, with the
@@ -814,7 +814,7 @@ def vmm(smoke):
 
 # --- the Dask workflow: stock CuPy, CuPy on managed memory and ump, 1 and 2 GPUs ---
 # ump.bench.dask_pipeline starts a cluster per configuration and GPU count, so
-# the case runs it once, from "stock", in a process of its own: Dask and its
+# the case runs it once, from "imported", in a process of its own: Dask and its
 # workers stay out of the process that times the other suites.
 
 def dask_cases(report: dict) -> dict:
@@ -858,7 +858,8 @@ def dask_workflow(smoke):
 CPU_SUITES = {"alloc_numpy": alloc_numpy}
 GPU_SUITES = {"alloc_cupy": alloc_cupy, "dispatch": dispatch, "interop": interop,
               "workflows": workflows, "moves": moves, "pools": pools, "vmm": vmm, "dask": dask_workflow}
-#: Suites whose cases do not depend on the configuration: run once, in "stock".
+#: Suites whose cases do not depend on the configuration: run once, in "imported"
+#: (they measure ump's own pools and moves).
 CONFIG_FREE = {"moves", "pools", "vmm", "dask"}
 #: Suites that need a package beyond CuPy: suite -> (module, how to install it).
 NEEDS = {"dask": ("distributed", "pip install ump[dask]")}

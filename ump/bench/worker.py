@@ -11,22 +11,26 @@ def main(argv):
     config, suites, smoke = argv[0], argv[1].split(","), argv[2] == "1"
     backend, _, placement = config.partition(":")
     if backend == "stock":
+        # Started by path (python .../worker.py): the cases module is read
+        # from this folder, and the package ump is never imported.
         os.environ.pop("CUPY_ENABLE_UMP", None)
-    elif backend == "imported":
-        os.environ.pop("CUPY_ENABLE_UMP", None)
-        import ump  # noqa: F401  (imported, not enabled: the overhead check)
+        import cases
     else:
-        import ump
+        if backend == "imported":
+            os.environ.pop("CUPY_ENABLE_UMP", None)
+            import ump  # noqa: F401  (imported, not enabled: the overhead check)
+        else:
+            import ump
 
-        os.environ["CUPY_ENABLE_UMP"] = "1"
-        options = {"placement": placement} if placement else {}
-        ump.enable(backend, **options)
-    from ump.bench import cases
+            os.environ["CUPY_ENABLE_UMP"] = "1"
+            options = {"placement": placement} if placement else {}
+            ump.enable(backend, **options)
+        from ump.bench import cases
 
-    results = {}
+    results = {"__process__": {"ump_imported": "ump" in sys.modules}}
     for suite in suites:
-        if suite in cases.CONFIG_FREE and backend != "stock":
-            continue
+        if suite in cases.CONFIG_FREE and backend != "imported":
+            continue  # ump's own pools and moves: once, where ump is imported and not enabled
         fn = {**cases.CPU_SUITES, **cases.GPU_SUITES}[suite]
         for case, timing in fn(smoke).items():
             results[case] = {"suite": suite, **timing}
