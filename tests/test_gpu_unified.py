@@ -532,6 +532,27 @@ def test_placement_auto_moves_an_upload_at_the_next_allocation(gpu_caps):
     assert back.ctypes.data == addr and back[-1] == 1.0 and placement.state(base, size).on_gpu is None
 
 
+def test_placement_auto_sends_a_result_the_host_read_back_to_the_gpu(gpu_caps):
+    """CuPy's example finance/black_scholes: arrays CuPy made, read by NumPy
+    through ``get()``, then read by kernels again. The next CuPy allocation
+    prefetches them back (the driver's last prefetch location says the GPU),
+    rather than each page the host read faulting back."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    x = cupy.random.rand(8 << 20)  # 64 MiB
+    h = x.get()
+    total = float(h.sum())  # the host reads all of it
+    assert h.ctypes.data == x.data.ptr
+    _, base, size = ump._core.lookup(x.data.ptr)
+    ump.prefetch(x, to="host")  # as the host's reads left it, and seen by the driver
+    assert _range_attribute(base, size, "LastPrefetchLocation") == -1
+    y = x * 2
+    assert _range_attribute(base, size, "LastPrefetchLocation") == 0
+    assert float(y.sum()) == pytest.approx(2 * total)
+
+
 @pytest.mark.serial
 def test_placement_auto_moves_a_matrix_to_the_device_its_view_lives_on(gpu_caps):
     """On GPU 1 (``cupy.cuda.Device(1)``): the waits counted are GPU 1's and

@@ -370,7 +370,7 @@ def _result(policy, now, size, waited, lo=BASE, hi=None, device=0):
 def test_a_result_the_gpu_faults_back_is_mapped_in_host_memory_and_stays(moves, advice):
     policy, now = _results_policy()
     _result(policy, now, GiB, 0.083)  # the first life: fresh pages, nothing known
-    assert advice == [] and not policy.watch.on
+    assert advice == [] and policy.returning == {(BASE, GiB): 0}  # read once: back at the next allocation
     _result(policy, now, GiB, 0.103)  # the next write faulted what the host read back
     assert advice == [PREFERRED_HOST, ACCESSED_BY_0] and policy.watch.on
     for _ in range(5):  # the loop goes on: the same array, written over the link
@@ -796,3 +796,25 @@ def test_an_upload_the_program_lets_go_of_later_moves_then(moves):
     del held
     policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
     assert moves == [(GiB, 0)]
+
+
+def test_a_result_read_once_goes_back_to_its_gpu_at_the_next_allocation(moves, advice):
+    """Black-Scholes' shape: CuPy makes arrays, the host reads them through
+    an export, then kernels read them again: one prefetch back instead of a
+    fault per page the host read. Once per block; an allocation that reuses
+    the block leaves it to the rules for results."""
+    policy, now = _results_policy()
+    _result(policy, now, GiB, 0.01, device=1)
+    assert policy.watch.on and moves == []
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)  # the next kernel's output
+    assert moves == [(GiB, 1)] and not policy.returning and not policy.watch.on
+    _result(policy, now, GiB, 0.01, device=1)  # exported again: the loop's rules decide
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
+    assert moves == [(GiB, 1)]
+    other = BASE + 4 * GiB
+    policy.on_result_export(other, GiB, other, other + GiB, 0, 0.01)
+    policy.on_cupy_malloc(other, 64 * MiB)  # CuPy's pool reuses it: nothing to bring back
+    assert moves == [(GiB, 1)] and not policy.returning
+    policy.on_result_export(BASE + 8 * GiB, GiB, BASE + 8 * GiB, BASE + 9 * GiB, 0, 0.01)
+    policy.on_block_freed(BASE + 8 * GiB)  # back to the arena
+    assert not policy.returning

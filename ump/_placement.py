@@ -68,7 +68,11 @@ back to the GPU for good. While a block is host-mapped, ump watches CuPy's
 allocations: CuPy's pool handing its memory to another array, or the same
 array living twice as long as the loop's lives did, puts it back on the GPU
 (GPU work on host pages crosses the link on every pass), and so does the
-block's return to the arena.
+block's return to the arena. A block exported for the first time is
+prefetched back to its GPU at CuPy's next allocation, unless that
+allocation reuses it: the host has read it by then, typically, and the
+kernels that come next would fault back every page it read (a prefetch
+before the host's read moves nothing, the pages being on the GPU still).
 """
 
 from __future__ import annotations
@@ -217,6 +221,9 @@ class Placement:
         #: Pending blocks asked at CuPy's allocations whether only CuPy holds
         #: them (the watch is on while any is).
         self.uploads: set[tuple[int, int]] = set()
+        #: CuPy's blocks exported to the host for the first time, and their
+        #: device: prefetched back at the next CuPy allocation.
+        self.returning: dict[tuple[int, int], int] = {}
         #: Switches the watch on CuPy's allocations (:meth:`on_cupy_malloc`)
         #: on or off and answers whether it is on; None: no watch can be had.
         self.watch = watch
@@ -491,6 +498,8 @@ class Placement:
                 if len(self.results) >= MAX_BLOCKS:
                     self.results = dict(self.mapped)
                 state = self.results[key] = ResultState()
+                if self.watch is not None and self.watch(True):
+                    self.returning[key] = device  # read once: back to the GPU for its next kernels
             if state.host_mapped:
                 if state.reused_at is not None:
                     state.life, state.reused_at = self.clock() - state.reused_at, None
@@ -501,6 +510,8 @@ class Placement:
             elif (not state.retired and state.last_wait is not None
                   and waited > size * ONE_WAY_SECONDS_PER_BYTE):
                 self._to_host_mapped(key, state, device, waited)
+            if state.host_mapped:
+                self.returning.pop(key, None)  # it lives in host memory now
             state.last_wait, state.lo, state.hi = waited, lo, hi
             self._check_lives()
 
@@ -526,8 +537,27 @@ class Placement:
 
     def _unwatch(self) -> None:
         """Switch the watch off once nothing needs it (under ``_lock``)."""
-        if not self.mapped and not self.uploads and self.watch is not None:
+        if not self.mapped and not self.uploads and not self.returning and self.watch is not None:
             self.watch(False)
+
+    def _send_back(self, ptr: int, size: int) -> None:
+        """At a CuPy allocation (``[ptr, ptr + size)``), under ``_lock``:
+        prefetch the results exported since to their GPU, whose kernels
+        would otherwise fault back each page the host read; one that this
+        allocation reuses is left to the rules for results."""
+        cuda = self.cupy.cuda
+        for (base, bsize), device in self.returning.items():
+            if ptr < base + bsize and base < ptr + size:
+                continue
+            try:
+                with cuda.Device(device):
+                    if self._fits(bsize):
+                        _core.prefetch(base, bsize, device, cuda.get_current_stream().ptr)
+                        log.debug("result %#x (%d bytes) back to GPU %d", base, bsize, device)
+            except RuntimeError:
+                pass  # UmpError or CuPy's: the allocation must not fail over a placement
+        self.returning.clear()
+        self._unwatch()
 
     def on_cupy_malloc(self, ptr: int, size: int) -> None:
         """CuPy's pool handed out ``[ptr, ptr + size)`` (only while the
@@ -539,6 +569,8 @@ class Placement:
         if self.uploads:
             self._check_uploads()
         with self._lock:
+            if self.returning:
+                self._send_back(ptr, size)
             now = self.clock()
             for key, state in list(self.mapped.items()):
                 base, bsize = key
@@ -554,9 +586,11 @@ class Placement:
         arena may hand that memory to any array next."""
         with self._lock:
             for key in [k for k in self.results if k[0] == base]:
+                self.returning.pop(key, None)
                 state = self.results.pop(key)
                 if state.host_mapped:
                     self._to_gpu_for_good(key, state)
+            self._unwatch()
 
     def _check_lives(self, now: float | None = None) -> None:
         """Put back on the GPU a host-mapped array that has lived twice as
@@ -589,6 +623,7 @@ class Placement:
             return
         base, size = key
         device, state.device, state.retired, state.reused_at = state.device, -1, True, None
+        self.returning.pop(key, None)  # moved below
         self._unwatch()
         cuda = self.cupy.cuda
         try:
