@@ -445,10 +445,10 @@ static budget_t *budget_of(int kind, int device)
 }
 
 int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int device,
-                     uintptr_t ctx)
+                     uintptr_t ctx, int *id)
 {
     /* Arenas take chunks from every provider but the VMM pools'. */
-    if (kind <= UMP_KIND_NONE || kind >= UMP_KIND_END || provider < 0 ||
+    if (!id || kind <= UMP_KIND_NONE || kind >= UMP_KIND_END || provider < 0 ||
         provider > UMP_PROVIDER_PINNED || (flags & ~ALL_FLAGS) || device < -1 ||
         (ctx && provider == UMP_PROVIDER_HOST))
         return ump__set_status(UMP_ERR_ARG);
@@ -461,7 +461,8 @@ int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int 
             a->budget->device == device && a->ctx == (void *)ctx) {
             __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
             pthread_mutex_unlock(&arenas_lock);
-            return i;
+            *id = i;
+            return UMP_OK;
         }
     }
     if (n_arenas == UMP_MAX_ARENAS) {
@@ -482,9 +483,9 @@ int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int 
     __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
     pthread_mutex_init(&a->lock, NULL);
     __atomic_store_n(&arenas[n_arenas], a, __ATOMIC_RELEASE);
-    int id = n_arenas++;
+    *id = n_arenas++;
     pthread_mutex_unlock(&arenas_lock);
-    return id;
+    return UMP_OK;
 }
 
 int ump_arena_set_cap(int id, uint64_t cap_bytes)
@@ -683,8 +684,9 @@ static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
     }
     void *mem = NULL;
     int zero = 0;
-    status = ump__injected_failure() ? UMP_ERR_INJECTED
-                                : ump__provider_alloc(a->provider, bytes, &mem, &zero, a->ctx);
+    status = ump__injected_failure();
+    if (status == UMP_OK)
+        status = ump__provider_alloc(a->provider, bytes, &mem, &zero, a->ctx);
     if (status != UMP_OK) {
         chunk_destroy(c);
         unreserve(a, bytes, 1);
