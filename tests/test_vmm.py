@@ -16,6 +16,7 @@ import pytest
 
 import ump
 from _fork import fork, wait
+from _pools import emulated_pool
 from _threads import run_threads
 from ump import _core
 from ump._vmm import VMMPool
@@ -26,17 +27,7 @@ GRAN = 2 * MiB
 
 @pytest.fixture
 def pool():
-    """An emulated pool; the test fails if it leaves a block or buffer live."""
-    p = VMMPool(emulate=True, reserve=8 << 30)
-    yield p
-    _core.fault_inject(0, 0)
-    if p._closed:
-        return
-    st = p.statistics()
-    if (st.current_count, st.used_bytes, st.buffer_bytes) != (0, 0, 0):
-        pytest.fail(f"the test left {st.current_count} block(s) of {st.used_bytes} bytes and "
-                    f"{st.buffer_bytes} buffer bytes live in the pool")
-    p.close()  # pools are a process-wide resource (16 at most)
+    yield from emulated_pool(8 << 30)
 
 
 def _fill(ptr, n, byte):
