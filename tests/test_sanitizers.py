@@ -2,8 +2,9 @@
 ThreadSanitizer, driven by the programs in tests/c/: stress.c (8 threads, over
 a million operations), arena_race.c (the arenas' lock-free paths against
 trim, double frees and fault injection), pool_race.c (VMM pools destroyed
-while other threads use them) and ctx_race.c (ump's CUDA context changed
-under provider calls, through stub_cuda.c)."""
+while other threads use them), ctx_race.c (ump's CUDA context changed
+under provider calls, through stub_cuda.c) and fuzz.c (random calls with
+hostile arguments, checked against a model)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,21 @@ def test_pool_destroyed_under_its_users_under_asan_and_ubsan(tmp_path):
 def test_pool_destroyed_under_its_users_under_tsan(tmp_path):
     out = _run(_build(tmp_path, "pool_race", TSAN), 100, TSAN_ENV)
     assert "100 rounds" in out
+
+
+# Random calls with hostile sizes, pointers, ids and descriptors, and injected
+# driver failures (CUresults as well as ump's own), each checked against a
+# model of the pool and against the data in every live block. The seed is the
+# first line of the output, which a failure shows: UMP_FUZZ_SEED=<seed> reruns it.
+FUZZ_OPS = 60_000
+
+
+def test_random_hostile_calls_under_asan_and_ubsan(tmp_path):
+    exe = _build(tmp_path, "fuzz", ASAN)
+    seed = os.environ.get("UMP_FUZZ_SEED")
+    env = {**ASAN_ENV, "ASAN_OPTIONS": ASAN_ENV["ASAN_OPTIONS"] + ":allocator_may_return_null=1"}
+    out = _run(exe, FUZZ_OPS, env, *([seed] if seed else []))
+    assert out.startswith("fuzz seed: ") and f"fuzz: {FUZZ_OPS} ops" in out
 
 
 def _stub_driver(tmp_path):
