@@ -257,6 +257,11 @@ class PoolMachine(Counted):
         del a
         self.views.append((mem, tag))
 
+    @precondition(lambda self: len(self.views) < 6)
+    @rule(size=st.integers(1, 2).map(lambda k: k * GRAN))
+    def shared(self, size):
+        self.view("shared", size, None)  # memory to export, for the rule below
+
     @precondition(lambda self: self.views)
     @rule(data=st.data(), shape=st.lists(st.one_of(st.integers(0, 64), st.integers(2**31, 2**64)), max_size=3))
     def array_of_any_shape(self, data, shape):
