@@ -31,12 +31,14 @@ def start(scenario: str, address: str, gpu: bool = False) -> subprocess.Popen:
 def _memory(gpu: bool):
     """2 MiB of shareable memory that starts with b"ump!\\0", and its pool."""
     if gpu:
+        import numpy
+
         from ump._cupy_compat import import_cupy
 
         cp = import_cupy()
         pool = ump.VMMPool(0)
         mem = pool.allocate_shared(2 * MiB)
-        mem.array((8,), "uint8")[:] = cp.asarray(bytearray(b"ump!\0\0\0\0"), dtype=cp.uint8)
+        mem.array((8,), "uint8")[:] = cp.asarray(numpy.frombuffer(b"ump!\0\0\0\0", numpy.uint8))
         cp.cuda.runtime.deviceSynchronize()
     else:
         pool = ump.VMMPool(emulate=True, reserve=2 * MiB)

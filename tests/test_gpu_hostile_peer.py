@@ -128,8 +128,10 @@ def test_closed_and_foreign_descriptors_in_process(cupy, pool):
     fds = _open_fds()
     closed = os.open(os.devnull, os.O_RDONLY)
     os.close(closed)
+    stale = ump.ExportHandle(closed, **fields)
     with pytest.raises(ump.UmpError, match="closed"):
-        pool.import_handle(ump.ExportHandle(closed, **fields))
+        pool.import_handle(stale)
+    stale._fd = None  # its number may name another descriptor by the time it is collected
     a, b = socket.socketpair()
     r, w = os.pipe()
     memfd = os.memfd_create("ump-vmm-shared")
