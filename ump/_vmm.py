@@ -569,12 +569,13 @@ class VMMPool:
         if self._closed:
             return
         status = _core.vmm_destroy(self._id)
-        if status == _core.ERR_ARG:
-            st = self.statistics()
-            raise UmpError(f"the pool still has {st.current_count} live block(s), buffers or "
-                           f"{st.views} open view(s); free or close them before close()")
         if status:
-            raise self._error(status, "closing it")
+            reasons = {}
+            if status == _core.ERR_ARG:
+                st = self.statistics()
+                reasons[status] = (f"the pool still has {st.current_count} live block(s), buffers or "
+                                   f"{st.views} open view(s); free or close them before close()")
+            raise self._error(status, "closing it", reasons)
         self._closed = True
         with _pools_lock:
             _pools.pop(self._id, None)
