@@ -23,6 +23,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define N_CLASSES 72
 #define SMALL_MAX ((size_t)1 << 20)
@@ -444,10 +445,10 @@ static budget_t *budget_of(int kind, int device)
 }
 
 int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int device,
-                     uintptr_t ctx)
+                     uintptr_t ctx, int *id)
 {
     /* Arenas take chunks from every provider but the VMM pools'. */
-    if (kind <= UMP_KIND_NONE || kind >= UMP_KIND_END || provider < 0 ||
+    if (!id || kind <= UMP_KIND_NONE || kind >= UMP_KIND_END || provider < 0 ||
         provider > UMP_PROVIDER_PINNED || (flags & ~ALL_FLAGS) || device < -1 ||
         (ctx && provider == UMP_PROVIDER_HOST))
         return ump__set_status(UMP_ERR_ARG);
@@ -460,7 +461,8 @@ int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int 
             a->budget->device == device && a->ctx == (void *)ctx) {
             __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
             pthread_mutex_unlock(&arenas_lock);
-            return i;
+            *id = i;
+            return UMP_OK;
         }
     }
     if (n_arenas == UMP_MAX_ARENAS) {
@@ -481,9 +483,9 @@ int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int 
     __atomic_store_n(&a->budget->cap, cap_bytes, __ATOMIC_RELAXED);
     pthread_mutex_init(&a->lock, NULL);
     __atomic_store_n(&arenas[n_arenas], a, __ATOMIC_RELEASE);
-    int id = n_arenas++;
+    *id = n_arenas++;
     pthread_mutex_unlock(&arenas_lock);
-    return id;
+    return UMP_OK;
 }
 
 int ump_arena_set_cap(int id, uint64_t cap_bytes)
@@ -682,8 +684,9 @@ static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
     }
     void *mem = NULL;
     int zero = 0;
-    status = ump__injected_failure() ? UMP_ERR_INJECTED
-                                : ump__provider_alloc(a->provider, bytes, &mem, &zero, a->ctx);
+    status = ump__injected_failure();
+    if (status == UMP_OK)
+        status = ump__provider_alloc(a->provider, bytes, &mem, &zero, a->ctx);
     if (status != UMP_OK) {
         chunk_destroy(c);
         unreserve(a, bytes, 1);
@@ -925,9 +928,17 @@ int ump__arena_lookup(uintptr_t p, uintptr_t *base, uint64_t *size, int *arena)
 /* --- plain aligned fallback ---------------------------------------------
  * Blocks served while no arena is active or the arena is full. They are kept
  * in a hash set so that free() recognises them without reading memory in
- * front of a pointer that may not be ours. */
+ * front of a pointer that may not be ours.
+ *
+ * A zeroed block of FALLBACK_MAP_MIN bytes or more is fresh anonymous
+ * pages (page aligned, so 512-byte aligned): the kernel hands out zero pages
+ * and commits memory only where the array is written, as NumPy's own
+ * calloc does. posix_memalign + memset would commit all of it at once
+ * (np.zeros of 2 GiB: a second and 2 GiB of RSS). */
 
-typedef struct { uintptr_t key; size_t size; } fb_slot;
+#define FALLBACK_MAP_MIN ((size_t)64 << 10)
+
+typedef struct { uintptr_t key; size_t size; int mapped; } fb_slot;
 
 static pthread_mutex_t fb_lock = PTHREAD_MUTEX_INITIALIZER;
 static fb_slot *fb_tab;
@@ -990,6 +1001,30 @@ static void fb_delete_at(size_t i)
     }
 }
 
+/* rsize bytes, 512-byte aligned; zero-filled if `zero`. */
+static void *fb_take(size_t rsize, int zero, int *mapped)
+{
+    *mapped = zero && rsize >= FALLBACK_MAP_MIN;
+    if (*mapped) {
+        void *p = mmap(NULL, rsize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+    void *p = NULL;
+    if (posix_memalign(&p, UMP_ALIGN, rsize) != 0)
+        return NULL;
+    if (zero)
+        memset(p, 0, rsize);
+    return p;
+}
+
+static void fb_give(void *p, size_t rsize, int mapped)
+{
+    if (mapped)
+        munmap(p, rsize);
+    else
+        free(p);
+}
+
 static void *fallback_alloc(size_t size, int zero)
 {
     if (size > SIZE_MAX - UMP_ALIGN) {
@@ -997,47 +1032,63 @@ static void *fallback_alloc(size_t size, int zero)
         return NULL;
     }
     size_t rsize = round_up(size ? size : 1, UMP_ALIGN);
-    void *p = NULL;
-    if (posix_memalign(&p, UMP_ALIGN, rsize) != 0) {
+    int mapped;
+    void *p = fb_take(rsize, zero, &mapped);
+    if (!p) {
         ump__set_status(UMP_ERR_NOMEM);
         return NULL;
     }
-    if (zero)
-        memset(p, 0, rsize);
     pthread_mutex_lock(&fb_lock);
     if ((fb_n + 1) * 2 > fb_cap && fb_grow() != UMP_OK) {
         pthread_mutex_unlock(&fb_lock);
-        free(p);
+        fb_give(p, rsize, mapped);
         ump__set_status(UMP_ERR_NOMEM);
         return NULL;
     }
     size_t i = fb_find((uintptr_t)p);
     fb_tab[i].key = (uintptr_t)p;
     fb_tab[i].size = rsize;
+    fb_tab[i].mapped = mapped;
     fb_n++;
     st_alloc(&fb_st, rsize, 0, 0);
     pthread_mutex_unlock(&fb_lock);
     return p;
 }
 
-/* Size of a live fallback block, 0 if p is not one. Removes it if `take`. */
-static size_t fallback_owned(void *p, int take)
+/* Size of a live fallback block, 0 if p is not one. */
+static size_t fallback_owned(void *p)
 {
     size_t size = 0;
     pthread_mutex_lock(&fb_lock);
     if (fb_cap) {
         size_t i = fb_find((uintptr_t)p);
-        if (fb_tab[i].key) {
+        if (fb_tab[i].key)
             size = fb_tab[i].size;
-            if (take) {
-                fb_delete_at(i);
-                fb_n--;
-                st_free(&fb_st, size);
-            }
-        }
     }
     pthread_mutex_unlock(&fb_lock);
     return size;
+}
+
+/* Free p if it is a live fallback block; whether it was one. */
+static int fallback_free(void *p)
+{
+    size_t size = 0;
+    int mapped = 0;
+    pthread_mutex_lock(&fb_lock);
+    if (fb_cap) {
+        size_t i = fb_find((uintptr_t)p);
+        if (fb_tab[i].key) {
+            size = fb_tab[i].size;
+            mapped = fb_tab[i].mapped;
+            fb_delete_at(i);
+            fb_n--;
+            st_free(&fb_st, size);
+        }
+    }
+    pthread_mutex_unlock(&fb_lock);
+    if (size)
+        fb_give(p, size, mapped);
+    return size != 0;
 }
 
 int ump_fallback_stats(ump_stats_t *out)
@@ -1105,10 +1156,8 @@ void ump_free(void *ptr, size_t size)
         return;
     if (arena_free(ptr) != NOT_IN_ARENA)
         return;
-    if (fallback_owned(ptr, 1)) {
-        free(ptr);
+    if (fallback_free(ptr))
         return;
-    }
     /* Not ours: never hand it to a free() that did not allocate it. */
     __atomic_fetch_add(&foreign_frees, 1, __ATOMIC_RELAXED);
 }
@@ -1147,7 +1196,7 @@ void *ump_realloc(void *ptr, size_t size)
     }
     pthread_rwlock_unlock(&reg_lock);
     if (!c)
-        old = fallback_owned(ptr, 0);
+        old = fallback_owned(ptr);
     if (!old) {
         ump__set_status(UMP_ERR_ARG); /* not a live ump block: leave it alone */
         return NULL;

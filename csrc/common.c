@@ -7,15 +7,28 @@
 #define _GNU_SOURCE
 #include "internal.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <unistd.h>
 
 /* --- status -------------------------------------------------------------- */
 
-static __thread int last_status;
+static __thread int last_status, last_os_error;
 
 int ump__set_status(int status) { last_status = status; return status; }
 int ump_last_status(void) { return last_status; }
+int ump_last_os_error(void) { return last_os_error; }
+
+int ump__os_status(int err)
+{
+    /* Only a lack of memory is out-of-memory: running out of descriptors
+     * (EMFILE) or a sealed or foreign file is not, and the caller should
+     * read which it was. */
+    if (err == ENOMEM)
+        return UMP_ERR_NOMEM;
+    last_os_error = err;
+    return UMP_ERR_OS;
+}
 int ump_abi_version(void) { return UMP_ABI_VERSION; }
 
 const char *ump__status_name(int status)
@@ -32,6 +45,12 @@ const char *ump__status_name(int status)
 
 static int64_t inject_after, inject_count;
 static uint32_t inject_delay_us;
+static int inject_status = UMP_ERR_INJECTED;
+
+void ump_fault_status(int status)
+{
+    __atomic_store_n(&inject_status, status ? status : UMP_ERR_INJECTED, __ATOMIC_RELAXED);
+}
 
 void ump_fault_delay(uint32_t usec) { __atomic_store_n(&inject_delay_us, usec, __ATOMIC_RELAXED); }
 
@@ -39,9 +58,11 @@ void ump_fault_inject(int64_t after, int64_t count)
 {
     __atomic_store_n(&inject_after, after, __ATOMIC_SEQ_CST);
     __atomic_store_n(&inject_count, count, __ATOMIC_SEQ_CST);
+    if (count == 0)
+        ump_fault_status(0);
 }
 
-int ump__injected_failure(void)
+static int injected(void)
 {
     uint32_t delay = __atomic_load_n(&inject_delay_us, __ATOMIC_RELAXED);
     if (delay)
@@ -62,6 +83,11 @@ int ump__injected_failure(void)
     } while (!__atomic_compare_exchange_n(&inject_count, &left, left - 1, 0, __ATOMIC_SEQ_CST,
                                           __ATOMIC_SEQ_CST));
     return 1;
+}
+
+int ump__injected_failure(void)
+{
+    return injected() ? __atomic_load_n(&inject_status, __ATOMIC_RELAXED) : UMP_OK;
 }
 
 /* --- fork ----------------------------------------------------------------

@@ -19,8 +19,14 @@
  * `lib` is published, and never change after. */
 ump__driver_t ump__cu;
 
+/* ump's context and device: set by enable() while other threads may be in
+ * a provider call that reads them, hence atomic. Each reader loads one of
+ * them once; none needs the pair to match. */
 static CUcontext ump_ctx;
 static int ump_device;
+
+static CUcontext own_ctx(void) { return __atomic_load_n(&ump_ctx, __ATOMIC_ACQUIRE); }
+static int own_device(void) { return __atomic_load_n(&ump_device, __ATOMIC_ACQUIRE); }
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 
 #define LOAD(field, name) (*(void **)&ump__cu.field = dlsym(lib, name))
@@ -98,16 +104,33 @@ __attribute__((constructor)) static void cuda_init(void)
 
 int ump_cuda_set_context(uintptr_t ctx, int device)
 {
-    ump_ctx = (CUcontext)ctx;
-    ump_device = device;
+    if (device < 0)
+        return ump__set_status(UMP_ERR_ARG);
+    __atomic_store_n(&ump_device, device, __ATOMIC_RELEASE);
+    __atomic_store_n(&ump_ctx, (CUcontext)ctx, __ATOMIC_RELEASE);
     return UMP_OK;
+}
+
+/* The CUresults the core itself acts on, named without the driver: a
+ * status injected in their place (ump_fault_status) on a machine without
+ * a GPU reads as the driver's own would. */
+static const char *known_cuda_error(int status)
+{
+    switch (status) {
+    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+    default: return NULL;
+    }
 }
 
 int ump_cuda_error_name(int status, char *buf, size_t len)
 {
     const char *name = ump__status_name(status);
-    if (!name && ump__cu.lib && ump__cu.getErrorName(status, &name) != CUDA_SUCCESS)
+    void *lib = __atomic_load_n(&ump__cu.lib, __ATOMIC_ACQUIRE);
+    if (!name && lib && ump__cu.getErrorName(status, &name) != CUDA_SUCCESS)
         name = NULL;
+    if (!name)
+        name = known_cuda_error(status);
     if (!name)
         name = "CUDA_ERROR_UNKNOWN";
     if (buf && len) {
@@ -124,7 +147,7 @@ int ump__ctx_enter(void *ctx)
     if (!ctx) {
         if (has)
             return 0;
-        ctx = ump_ctx;
+        ctx = own_ctx();
     }
     if (!ctx || (has && cur == ctx))
         return 0;
@@ -171,7 +194,7 @@ int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero, 
      * made while another device was current would name that device for
      * every array later carved from it. Managed memory is reachable from
      * every device, registered memory is PORTABLE. */
-    int pushed = ump__ctx_enter(ctx ? ctx : ump_ctx);
+    int pushed = ump__ctx_enter(ctx ? ctx : own_ctx());
     if (provider == UMP_PROVIDER_MANAGED) {
         CUdeviceptr d = 0;
         status = ump__cu.memAllocManaged(&d, size, CU_MEM_ATTACH_GLOBAL);
@@ -204,7 +227,7 @@ int ump__provider_free(int provider, void *ptr, size_t size, void *ctx)
     int status = ump__cuda_ready();
     if (status != UMP_OK)
         return status; /* after fork: leak rather than call CUDA */
-    int pushed = ump__ctx_enter(ctx ? ctx : ump_ctx); /* the context that made it */
+    int pushed = ump__ctx_enter(ctx ? ctx : own_ctx()); /* the context that made it */
     if (provider == UMP_PROVIDER_MANAGED) {
         /* cuMemFree synchronises the device, so no kernel still uses it. */
         status = ump__cu.memFree((CUdeviceptr)ptr);
@@ -244,7 +267,7 @@ void ump__advise_host(void *ptr, size_t size)
     /* Pages stay in host memory and the GPU maps them over the link: for data
      * the GPU touches once this beats any migration (see docs/backends.md). */
     advise((uintptr_t)ptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, -1);
-    advise((uintptr_t)ptr, size, CU_MEM_ADVISE_SET_ACCESSED_BY, ump_device);
+    advise((uintptr_t)ptr, size, CU_MEM_ADVISE_SET_ACCESSED_BY, own_device());
     ump__ctx_leave(pushed);
 }
 

@@ -19,6 +19,7 @@ typedef void *CUstream;
 typedef unsigned long long CUmemGenericAllocationHandle;
 
 #define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 
 /* cuMemAllocManaged */

@@ -14,7 +14,12 @@ UMP_HIDDEN int ump__set_status(int status);
 /* The name of one of ump's own statuses (UMP_ERR_*), NULL for any other. */
 UMP_HIDDEN const char *ump__status_name(int status);
 
-/* Fault injection (ump_fault_inject): whether this provider call must fail. */
+/* The status of a failed OS call with errno `err`: UMP_ERR_NOMEM for
+ * ENOMEM, else UMP_ERR_OS, keeping `err` for ump_last_os_error(). */
+UMP_HIDDEN int ump__os_status(int err);
+
+/* Fault injection (ump_fault_inject): UMP_OK, or the status this provider
+ * call must fail with (UMP_ERR_INJECTED, or what ump_fault_status set). */
 UMP_HIDDEN int ump__injected_failure(void);
 
 /* Set in a child after fork(): it must never call CUDA. */

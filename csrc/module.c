@@ -29,11 +29,13 @@ static const struct constant constants[] = {
     CONSTANT(UMP_ALIGN)
     CONSTANT(UMP_MAX_ARENAS)
     CONSTANT(UMP_MAX_POOLS)
+    CONSTANT(UMP_VMM_MAX_BYTES)
     UMP_PROVIDERS(LISTED_CONSTANT)
     UMP_ARENA_FLAGS(LISTED_CONSTANT)
     CONSTANT(UMP_OK)
     UMP_ERRORS(LISTED_CONSTANT)
-    /* CUDA's statuses reach Python unchanged; this is the one it acts on. */
+    /* CUDA's statuses reach Python unchanged; these are the ones it acts on. */
+    CONSTANT(CUDA_ERROR_INVALID_VALUE)
     CONSTANT(CUDA_ERROR_OUT_OF_MEMORY)
 };
 

@@ -4,8 +4,11 @@
  * "is this pointer ours, which kind, which block".
  *
  * Every function here is callable without the GIL and from any thread.
- * None of them raises: failures return NULL / a negative value and leave a
- * status that Python reads with ump_last_status().
+ * None of them raises. A function that makes something returns a status
+ * (UMP_OK, one of ump's UMP_ERR_*, or a CUresult) and writes the new id
+ * through an out-pointer, so an id is never mistaken for a status; the hooks
+ * and ump_vmm_alloc return NULL / 0 on failure. Every failure also leaves the
+ * status where ump_last_status() reads it.
  */
 #ifndef UMP_H
 #define UMP_H
@@ -21,7 +24,7 @@ extern "C" {
  * hand; bump it when one changes. Constants and struct layouts need no
  * version: the extension module exports them (module.c) and the Python layer
  * builds its mirrors from what it exports. */
-#define UMP_ABI_VERSION 6
+#define UMP_ABI_VERSION 7
 
 /* CuPy's kernels and memory pool work in 512-byte units, so every block is
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
@@ -85,7 +88,9 @@ enum ump_arena_flag {
     X(UMP_ERR_ARG, -5)         /* a bad argument (size, arena id, ...) */         \
     X(UMP_ERR_INJECTED, -6)    /* failure injected by ump_fault_inject() */       \
     X(UMP_ERR_HANDLE, -7)      /* not ump's handle, or not the one described */   \
-    X(UMP_ERR_UNSUPPORTED, -8) /* the driver cannot share physical memory */
+    X(UMP_ERR_UNSUPPORTED, -8) /* the driver cannot share physical memory */    \
+    X(UMP_ERR_OS, -9)          /* an OS call failed: ump_last_os_error() */       \
+    X(UMP_ERR_RANGE, -10)      /* a pool's reserved address range is full */
 
 enum ump_error {
 #define UMP_ERROR_ENUM(name, value) name = (value),
@@ -97,6 +102,9 @@ enum ump_error {
  * CuPy allocates on (csrc/arena.c). */
 #define UMP_MAX_ARENAS 64
 #define UMP_MAX_POOLS 16
+/* The most bytes one VMM buffer, view or import may span (128 TiB, the
+ * user address space of x86-64): a larger size is a bad argument. */
+#define UMP_VMM_MAX_BYTES ((uint64_t)1 << 47)
 
 /* The statistics structs are lists of uint64_t fields, each written once:
  * the typedef and the extension's field names (module.c) come from the list,
@@ -133,7 +141,7 @@ int ump_get_numpy_arena(void);
  * the CUDA context chunks are made and freed under (0: ump's), which is
  * the device cudaPointerGetAttributes names for them. */
 int ump_arena_create(int kind, int provider, uint64_t cap_bytes, int flags, int device,
-                     uintptr_t ctx);
+                     uintptr_t ctx, int *arena);
 int ump_arena_set_cap(int arena, uint64_t cap_bytes);
 void *ump_arena_alloc(int arena, size_t size);
 int ump_arena_free(void *ptr);
@@ -158,7 +166,8 @@ int ump_fallback_stats(ump_stats_t *out);
     X(view_bytes)          /* address space mapped by views */                    \
     X(shared_bytes)        /* handles views own (in physical_bytes) */            \
     X(imported_bytes)      /* other processes' memory mapped here */              \
-    X(views) X(exports)    /* live views; handles exported so far */
+    X(views) X(exports)    /* live views; handles exported so far */        \
+    X(stream_bins)         /* streams that hold free blocks */
 
 typedef struct { UMP_VMM_STATS_FIELDS(UMP_U64_FIELD) } ump_vmm_stats_t;
 
@@ -175,10 +184,11 @@ typedef struct { UMP_VMM_VIEW_TIMES_FIELDS(UMP_U64_FIELD) } ump_vmm_view_times_t
 
 /* provider: UMP_PROVIDER_DEVICE, or UMP_PROVIDER_HOST for the same pool on an
  * emulated physical layer (memfd) that runs without a GPU. ctx: the device's
- * primary context. limit 0: none. Returns a pool id, or a negative status.
- * At most UMP_MAX_POOLS pools exist at once; an id is never handed out again
- * for about a million pools made in the same slot after it. */
-int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit);
+ * primary context. limit 0: none. Writes the pool's id to *pool. At most
+ * UMP_MAX_POOLS pools exist at once; an id is never handed out again for
+ * about a million pools made in the same slot after it. */
+int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit,
+                   int *pool);
 /* Only when no block, buffer or view is live. Every later call with the id
  * fails with UMP_ERR_HANDLE. */
 int ump_vmm_destroy(int pool);
@@ -188,22 +198,27 @@ int ump_vmm_trim(int pool, int keep_handles);
 int ump_vmm_set_limit(int pool, uint64_t limit);
 int ump_vmm_stats(int pool, ump_vmm_stats_t *out);
 int ump_vmm_grant(int pool, int device);
-int ump_vmm_devices(int pool, int *out, int max);
+/* The devices granted access (at most `max` of them written); *n: how many. */
+int ump_vmm_devices(int pool, int *out, int max, int *n);
 int ump_vmm_migrate(int pool, uintptr_t ptr, uint64_t bytes, int device);
-int ump_vmm_device_of(int pool, uintptr_t ptr, uint64_t bytes);
-int ump_vmm_buffer_create(int pool, uint64_t max_bytes); /* a buffer id, or a negative status */
+/* The device each byte of [ptr, ptr+bytes) lives on, or -1 if mixed. */
+int ump_vmm_device_of(int pool, uintptr_t ptr, uint64_t bytes, int *device);
+int ump_vmm_buffer_create(int pool, uint64_t max_bytes, int *buf);
 int ump_vmm_buffer_destroy(int pool, int buf);
 int ump_vmm_buffer_resize(int pool, int buf, uint64_t bytes);
 int ump_vmm_buffer_info(int pool, int buf, uintptr_t *ptr, uint64_t *size);
 
 /* Views: address ranges of their own over physical memory, each with its own
- * reservation. Each returns a view id, or a negative status. */
-int ump_vmm_shared_create(int pool, uint64_t bytes);  /* exportable memory */
-int ump_vmm_export(int pool, int view, int *fd);        /* a new fd the caller owns */
-int ump_vmm_import(int pool, int fd, uint64_t bytes, int device);
-int ump_vmm_alias_create(int pool, uintptr_t ptr, uint64_t bytes, uintptr_t *alias);
-int ump_vmm_ring_create(int pool, uint64_t bytes);     /* bytes mapped twice, back to back */
-int ump_vmm_striped_create(int pool, uint64_t bytes, const int *devices, int ndevices);
+ * reservation. Each writes the new view's id to *view. */
+int ump_vmm_shared_create(int pool, uint64_t bytes, int *view); /* exportable memory */
+int ump_vmm_export(int pool, int view, int *fd);                  /* a new fd the caller owns */
+/* Another process's memory: `fd` (which stays the caller's) is checked to be
+ * the exportable memory of `bytes` it claims to be before anything is
+ * reserved for it. */
+int ump_vmm_import(int pool, int fd, uint64_t bytes, int device, int *view);
+int ump_vmm_alias_create(int pool, uintptr_t ptr, uint64_t bytes, uintptr_t *alias, int *view);
+int ump_vmm_ring_create(int pool, uint64_t bytes, int *view); /* mapped twice, back to back */
+int ump_vmm_striped_create(int pool, uint64_t bytes, const int *devices, int ndevices, int *view);
 /* Its address, bytes mapped and, if times is not NULL, its set-up times. */
 int ump_vmm_view_info(int pool, int view, uintptr_t *ptr, uint64_t *size, ump_vmm_view_times_t *times);
 int ump_vmm_view_destroy(int pool, int view);
@@ -224,10 +239,16 @@ int ump_cuda_error_name(int status, char *buf, size_t len);
 
 /* --- diagnostics --------------------------------------------------------- */
 int ump_last_status(void);
+/* The errno behind this thread's last UMP_ERR_OS (EMFILE, ...). */
+int ump_last_os_error(void);
 int ump_abi_version(void);
 /* Fail provider calls: skip `after` successful ones, then fail `count`
- * (-1: all). ump_fault_inject(0, 0) turns injection off. */
+ * (-1: all). ump_fault_inject(0, 0) turns injection off and the status back
+ * to UMP_ERR_INJECTED. */
 void ump_fault_inject(int64_t after, int64_t count);
+/* The status an injected failure returns (UMP_ERR_INJECTED unless set):
+ * a CUresult stands in for the driver's answer. */
+void ump_fault_status(int status);
 /* Sleep `usec` at every fault-injection point, which in a VMM pool lies
  * under the pool's lock: tests hold a lock open with it. 0: no delay. */
 void ump_fault_delay(uint32_t usec);

@@ -45,6 +45,7 @@
 #define _GNU_SOURCE
 #include "internal.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -56,6 +57,13 @@
 #include <unistd.h>
 
 #define NBINS 128      /* 4 bins per power of two of 512-byte units */
+/* Streams whose free blocks a pool keeps apart. A stream's bins go when its
+ * last free block leaves them; when this many streams hold free blocks and
+ * another frees one, the pool waits for its devices and hands every free
+ * block to that stream (merge_streams), so a program that cycles through
+ * many streams costs a wait every MAX_STREAM_BINS new ones, not a lookup
+ * that grows with every stream it ever used. */
+#define MAX_STREAM_BINS 64
 #define MAX_DEVICES 16 /* devices a pool may grant access to */
 #define MAP_AHEAD 16   /* granules of cached handles mapped behind a run */
 
@@ -71,6 +79,7 @@ typedef struct blk {
 
 typedef struct {
     uintptr_t stream;
+    uint64_t nfree;    /* blocks in its bins; at 0 the entry is given back */
     blk_t *bin[NBINS];
 } sbins_t;
 
@@ -112,7 +121,7 @@ typedef struct {
     uint32_t *gref;    /* per granule of the main range: live blocks touching it */
     uint64_t top;      /* bytes of the main range carved into blocks */
     blk_t *last;       /* the block ending at top */
-    sbins_t *sb;
+    sbins_t *sb;       /* MAX_STREAM_BINS entries, nsb of them in use */
     int nsb;
     blk_t **live;      /* handed-out blocks, sorted by offset */
     size_t nlive, caplive;
@@ -196,24 +205,27 @@ static CUmemAllocationProp prop_for(int device, int exportable)
 
 static int ph_create(pool_t *p, uint64_t bytes, int device, int exportable, uint64_t *out)
 {
-    if (ump__injected_failure())
-        return UMP_ERR_INJECTED;
+    int status = ump__injected_failure();
+    if (status != UMP_OK)
+        return status;
     if (p->provider == UMP_PROVIDER_HOST) {
+        /* Out of descriptors (EMFILE) is not out of memory: say which. */
         int fd = exportable ? memfd_create(SHARE_NAME, MFD_CLOEXEC | MFD_ALLOW_SEALING)
                             : memfd_create("ump-vmm", MFD_CLOEXEC);
         if (fd < 0)
-            return UMP_ERR_NOMEM;
+            return ump__os_status(errno);
         if (ftruncate(fd, (off_t)bytes) != 0 ||
             (exportable && fcntl(fd, F_ADD_SEALS, SHARE_SEALS) != 0)) {
+            status = ump__os_status(errno);
             close(fd);
-            return UMP_ERR_NOMEM;
+            return status;
         }
         *out = (uint64_t)fd;
         return UMP_OK;
     }
     CUmemAllocationProp prop = prop_for(device, exportable);
     CUmemGenericAllocationHandle h = 0;
-    int status = ump__cu.memCreate(&h, bytes, &prop, 0);
+    status = ump__cu.memCreate(&h, bytes, &prop, 0);
     *out = h;
     return status;
 }
@@ -224,7 +236,7 @@ static int ph_export(pool_t *p, uint64_t h, int *fd)
     *fd = -1;
     if (p->provider == UMP_PROVIDER_HOST) {
         *fd = fcntl((int)h, F_DUPFD_CLOEXEC, 0);
-        return *fd < 0 ? UMP_ERR_NOMEM : UMP_OK;
+        return *fd < 0 ? ump__os_status(errno) : UMP_OK;
     }
     return ump__cu.memExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
 }
@@ -248,7 +260,7 @@ static int ph_import(pool_t *p, int fd, uint64_t bytes, uint64_t *h, int *device
             return UMP_ERR_HANDLE;
         int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
         if (own < 0)
-            return UMP_ERR_NOMEM;
+            return ump__os_status(errno);
         *h = (uint64_t)own;
         return UMP_OK;
     }
@@ -262,8 +274,10 @@ static int ph_import(pool_t *p, int fd, uint64_t bytes, uint64_t *h, int *device
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
     status = ump__cu.memGetAllocationPropertiesFromHandle(&prop, ch);
-    if (status == CUDA_SUCCESS && prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE)
-        status = UMP_ERR_HANDLE;
+    if (status == CUDA_SUCCESS && (prop.type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+                                   prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+                                   prop.location.id < 0))
+        status = UMP_ERR_HANDLE; /* not device memory cuMemCreate made */
     if (status != CUDA_SUCCESS) {
         ump__cu.memRelease(ch);
         return status;
@@ -285,14 +299,15 @@ static int ph_map_raw(pool_t *p, uintptr_t va, uint64_t bytes, uint64_t h)
 {
     if (p->provider == UMP_PROVIDER_HOST) {
         void *m = mmap((void *)va, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, (int)h, 0);
-        return m == MAP_FAILED ? UMP_ERR_NOMEM : UMP_OK;
+        return m == MAP_FAILED ? ump__os_status(errno) : UMP_OK;
     }
     return ump__cu.memMap(va, bytes, 0, h, 0);
 }
 
 static int ph_map(pool_t *p, uintptr_t va, uint64_t bytes, uint64_t h)
 {
-    return ump__injected_failure() ? UMP_ERR_INJECTED : ph_map_raw(p, va, bytes, h);
+    int status = ump__injected_failure();
+    return status != UMP_OK ? status : ph_map_raw(p, va, bytes, h);
 }
 
 static int ph_unmap(pool_t *p, uintptr_t va, uint64_t bytes)
@@ -367,7 +382,7 @@ static int ph_reserve(pool_t *p, uint64_t bytes, uintptr_t *va)
     if (p->provider == UMP_PROVIDER_HOST) {
         void *m = mmap(NULL, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         *va = m == MAP_FAILED ? 0 : (uintptr_t)m;
-        return *va ? UMP_OK : UMP_ERR_NOMEM;
+        return *va ? UMP_OK : ump__os_status(errno);
     }
     return ump__cu.memAddressReserve(va, bytes, p->gran, 0, 0);
 }
@@ -666,9 +681,8 @@ static int map_run(pool_t *p, int region, uint64_t g0, uint64_t k)
         undo_push(&log, UNDO_UNMAP, i);
         pos += p->hs[i].ngran;
     }
-    if (ump__injected_failure())
-        status = UMP_ERR_INJECTED;
-    else
+    status = ump__injected_failure();
+    if (status == UMP_OK)
         status = ph_access(p, r->va + g0 * p->gran, (pos - g0) * p->gran);
     if (status == UMP_OK)
         goto out;
@@ -691,38 +705,37 @@ static int bin_of(uint64_t bytes)
     return i < NBINS ? i : NBINS - 1;
 }
 
-static sbins_t *bins_for(pool_t *p, uintptr_t stream, int create)
+/* The bins of a stream that holds free blocks, or NULL. */
+static sbins_t *bins_for(pool_t *p, uintptr_t stream)
 {
     for (int i = 0; i < p->nsb; i++)
         if (p->sb[i].stream == stream)
             return &p->sb[i];
-    if (!create)
-        return NULL;
-    sbins_t *sb = realloc(p->sb, (size_t)(p->nsb + 1) * sizeof *sb);
-    if (!sb)
-        return NULL;
-    p->sb = sb;
-    memset(&sb[p->nsb], 0, sizeof *sb);
-    sb[p->nsb].stream = stream;
-    return &sb[p->nsb++];
+    return NULL;
 }
 
+/* The stream has bins, or there is room for them: make_room ran first. */
 static void bin_insert(pool_t *p, blk_t *b)
 {
-    sbins_t *sb = bins_for(p, b->stream, 1);
-    /* bins_for only fails to grow for a new stream; a freed block's stream
-     * had bins when the block was handed out, so sb is never NULL here. */
+    sbins_t *sb = bins_for(p, b->stream);
+    if (!sb) {
+        sb = &p->sb[p->nsb++];
+        memset(sb, 0, sizeof *sb);
+        sb->stream = b->stream;
+    }
     b->bin = bin_of(b->size);
     b->fprev = NULL;
     b->fnext = sb->bin[b->bin];
     if (b->fnext)
         b->fnext->fprev = b;
     sb->bin[b->bin] = b;
+    sb->nfree++;
 }
 
+/* Take a free block out of its bins; the stream's bins go with its last. */
 static void bin_remove(pool_t *p, blk_t *b)
 {
-    sbins_t *sb = bins_for(p, b->stream, 0);
+    sbins_t *sb = bins_for(p, b->stream);
     if (b->fprev)
         b->fprev->fnext = b->fnext;
     else
@@ -730,11 +743,15 @@ static void bin_remove(pool_t *p, blk_t *b)
     if (b->fnext)
         b->fnext->fprev = b->fprev;
     b->bin = -1;
+    if (--sb->nfree == 0)
+        *sb = p->sb[--p->nsb];
 }
 
-/* Best fit among the stream's free blocks. */
+/* Best fit among the stream's free blocks (sb NULL: it has none). */
 static blk_t *find_fit(sbins_t *sb, uint64_t size)
 {
+    if (!sb)
+        return NULL;
     int i0 = bin_of(size);
     blk_t *best = NULL;
     for (blk_t *b = sb->bin[i0]; b; b = b->fnext)
@@ -904,6 +921,14 @@ static void merge_streams(pool_t *p, uintptr_t stream)
     }
 }
 
+/* Before a block of `stream` may enter the bins: room for the stream's
+ * bins if it has none (see MAX_STREAM_BINS). */
+static void make_room(pool_t *p, uintptr_t stream)
+{
+    if (p->nsb == MAX_STREAM_BINS && !bins_for(p, stream))
+        merge_streams(p, stream);
+}
+
 /* --- pool ids ---------------------------------------------------------------
  * A call turns a pool id into the pool, then takes the pool's lock, and a
  * destroy may run between the two: it frees the pool's arrays and wipes its
@@ -968,10 +993,11 @@ static int pool_enter(int id, pool_t **out)
 
 /* --- public API ---------------------------------------------------------- */
 
-int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit)
+int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, uint64_t limit,
+                   int *pool)
 {
-    if ((provider != UMP_PROVIDER_HOST && provider != UMP_PROVIDER_DEVICE) || device < 0 ||
-        va_bytes == 0 || va_bytes > ((uint64_t)1 << 48))
+    if (!pool || (provider != UMP_PROVIDER_HOST && provider != UMP_PROVIDER_DEVICE) ||
+        device < 0 || va_bytes == 0 || va_bytes > ((uint64_t)1 << 48))
         return fail(UMP_ERR_ARG);
     uint64_t gran;
     if (provider == UMP_PROVIDER_DEVICE) {
@@ -1014,7 +1040,8 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
     p->main.live = 1;
     p->gref = calloc(p->main.ngran, sizeof *p->gref);
     p->main.gh = malloc(p->main.ngran * sizeof *p->main.gh);
-    int status = p->gref && p->main.gh ? UMP_OK : UMP_ERR_NOMEM;
+    p->sb = malloc(MAX_STREAM_BINS * sizeof *p->sb);
+    int status = p->gref && p->main.gh && p->sb ? UMP_OK : UMP_ERR_NOMEM;
     if (status == UMP_OK) {
         memset(p->main.gh, 0xff, p->main.ngran * sizeof *p->main.gh);
         int pushed;
@@ -1026,6 +1053,7 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
     if (status != UMP_OK) {
         free(p->gref);
         free(p->main.gh);
+        free(p->sb);
         memset(p, 0, sizeof *p);
         pthread_mutex_unlock(&pools_lock);
         return fail(status);
@@ -1036,9 +1064,9 @@ int ump_vmm_create(int provider, int device, uintptr_t ctx, uint64_t va_bytes, u
     p->st.granularity = gran;
     p->used = 1;
     __atomic_fetch_add(&n_pools_used, 1, __ATOMIC_RELEASE);
-    id = pool_id(p);
+    *pool = pool_id(p);
     pthread_mutex_unlock(&pools_lock);
-    return id;
+    return UMP_OK;
 }
 
 uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
@@ -1046,9 +1074,8 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
     pool_t *p;
     int status = pool_enter(id, &p);
     if (status == UMP_OK && (p->inherited || size > p->main.ngran * p->gran)) {
-        /* A forked child's copy would hand out the parent's memory. Past the
-         * reservation: no failure of the pool's. */
-        status = p->inherited ? UMP_ERR_FORKED : UMP_ERR_ARG;
+        /* A forked child's copy would hand out the parent's memory. */
+        status = p->inherited ? UMP_ERR_FORKED : UMP_ERR_RANGE;
         pool_leave(p);
     }
     if (status != UMP_OK) {
@@ -1058,16 +1085,10 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
     uint64_t need = size ? (size + UMP_ALIGN - 1) / UMP_ALIGN * UMP_ALIGN : UMP_ALIGN;
     uint64_t end = p->main.ngran * p->gran;
     uintptr_t ptr = 0;
-    blk_t *b = NULL;
-    sbins_t *sb = bins_for(p, stream, 1);
-    if (!sb) {
-        status = UMP_ERR_NOMEM;
-        goto out;
-    }
-    b = find_fit(sb, need);
+    blk_t *b = find_fit(bins_for(p, stream), need);
     if (!b && tail_start(p, stream) + need > end) {
         merge_streams(p, stream);
-        b = find_fit(bins_for(p, stream, 0), need);
+        b = find_fit(bins_for(p, stream), need);
     }
     if (b) {
         bin_remove(p, b);
@@ -1086,7 +1107,7 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
     } else {
         uint64_t at = tail_start(p, stream);
         if (at + need > end) {
-            status = UMP_ERR_ARG; /* the address range is full (UMP_ERR_CAP: the limit) */
+            status = UMP_ERR_RANGE; /* blocks never move: live ones fill the range */
             goto out;
         }
         if (at < p->top) {
@@ -1111,6 +1132,7 @@ uintptr_t ump_vmm_alloc(int id, uint64_t size, uintptr_t stream)
             untouch(p, b);
     }
     if (status != UMP_OK) {
+        make_room(p, b->stream);
         release_blk(p, b);
         b = NULL;
         goto out;
@@ -1152,6 +1174,7 @@ int ump_vmm_free(int id, uintptr_t ptr)
     untouch(p, b);
     p->st.used_bytes -= b->size;
     p->st.current_count--;
+    make_room(p, b->stream);
     release_blk(p, b);
     pool_leave(p);
     return UMP_OK;
@@ -1182,9 +1205,13 @@ int ump_vmm_set_limit(int id, uint64_t limit)
     if (status != UMP_OK)
         return fail(status);
     p->st.limit_bytes = limit;
-    if (limit && p->st.physical_bytes > limit && ump__cuda_ready() == UMP_OK) {
+    int pushed;
+    /* Memory over the new limit that no live block uses goes back now, on
+     * either physical layer (a forked child's copy gives back nothing). */
+    if (limit && p->st.physical_bytes > limit && ph_enter(p, &pushed) == UMP_OK) {
         scavenge(p);
         release_cached(p, 0);
+        ph_leave(p, pushed);
     }
     pool_leave(p);
     return UMP_OK;
@@ -1208,6 +1235,7 @@ int ump_vmm_stats(int id, ump_vmm_stats_t *out)
     out->handles = 0;
     for (size_t i = 0; i < p->nh; i++)
         out->handles += p->hs[i].ngran != 0;
+    out->stream_bins = (uint64_t)p->nsb;
     pool_leave(p);
     return UMP_OK;
 }
@@ -1263,17 +1291,19 @@ int ump_vmm_grant(int id, int device)
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
-int ump_vmm_devices(int id, int *out, int max)
+int ump_vmm_devices(int id, int *out, int max, int *n)
 {
+    if (!n || max < 0 || (max && !out))
+        return fail(UMP_ERR_ARG);
     pool_t *p;
     int status = pool_enter(id, &p);
     if (status != UMP_OK)
         return fail(status);
-    int n = p->ndev;
-    for (int i = 0; i < n && i < max; i++)
+    *n = p->ndev;
+    for (int i = 0; i < p->ndev && i < max; i++)
         out[i] = p->devs[i];
     pool_leave(p);
-    return n;
+    return UMP_OK;
 }
 
 /* --- growable buffers: a reservation of their own, mapped from the front -- */
@@ -1323,18 +1353,17 @@ static int region_open(pool_t *p, int kind, uint64_t ngran, int *idx)
     return UMP_OK;
 }
 
-int ump_vmm_buffer_create(int id, uint64_t max_bytes)
+int ump_vmm_buffer_create(int id, uint64_t max_bytes, int *buf)
 {
-    if (max_bytes == 0 || max_bytes > ((uint64_t)1 << 47))
+    if (!buf || max_bytes == 0 || max_bytes > UMP_VMM_MAX_BYTES)
         return fail(UMP_ERR_ARG);
     pool_t *p;
     int status = pool_enter(id, &p);
     if (status != UMP_OK)
         return fail(status);
-    int buf = -1;
-    status = region_open(p, REGION_BUFFER, (max_bytes + p->gran - 1) / p->gran, &buf);
+    status = region_open(p, REGION_BUFFER, (max_bytes + p->gran - 1) / p->gran, buf);
     pool_leave(p);
-    return status == UMP_OK ? buf : fail(status);
+    return status == UMP_OK ? UMP_OK : fail(status);
 }
 
 /* The address of a buffer or view (fixed for its life), its bytes in use or
@@ -1545,9 +1574,9 @@ int ump_vmm_migrate(int id, uintptr_t ptr, uint64_t bytes, int device)
 }
 
 /* The device each byte of [ptr, ptr+bytes) lives on, if one; -1 if mixed. */
-int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
+int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes, int *device)
 {
-    if (bytes == 0)
+    if (bytes == 0 || !device)
         return fail(UMP_ERR_ARG);
     pool_t *p;
     int status = pool_enter(id, &p);
@@ -1564,7 +1593,8 @@ int ump_vmm_device_of(int id, uintptr_t ptr, uint64_t bytes)
     pool_leave(p);
     if (dev < -1)
         return fail(UMP_ERR_ARG);
-    return dev;
+    *device = dev;
+    return UMP_OK;
 }
 
 /* --- views ------------------------------------------------------------------
@@ -1617,11 +1647,15 @@ static void view_close(pool_t *p, int v)
     memset(r, 0, sizeof *r);
 }
 
-/* Open a view of `ngran` granules: enter the device, reserve. */
-static int view_begin(pool_t *p, int kind, uint64_t ngran, int *v, int *pushed)
+/* Open a view of `ngran` granules that creates `creates` bytes of physical
+ * memory: enter the device, reserve. A view larger than the limit is
+ * refused before its reservation and granule map cost anything. */
+static int view_begin(pool_t *p, int kind, uint64_t ngran, uint64_t creates, int *v, int *pushed)
 {
     *v = -1;
     int status = ph_enter(p, pushed);
+    if (status == UMP_OK && p->st.limit_bytes && creates > p->st.limit_bytes)
+        status = UMP_ERR_CAP;
     if (status == UMP_OK && p->provider != UMP_PROVIDER_HOST && !ump__cu.share &&
         (kind == REGION_SHARED || kind == REGION_IMPORTED))
         status = UMP_ERR_UNSUPPORTED;
@@ -1643,8 +1677,9 @@ static int view_end(pool_t *p, int v, int status, int pushed)
     if (status == UMP_OK) {
         region_t *r = &p->bufs[v];
         uint64_t t0 = now_ns();
-        status = ump__injected_failure() ? UMP_ERR_INJECTED
-                                         : ph_access(p, r->va, r->ngran * p->gran);
+        status = ump__injected_failure();
+        if (status == UMP_OK)
+            status = ph_access(p, r->va, r->ngran * p->gran);
         r->times.access_ns += now_ns() - t0;
         if (status == UMP_OK)
             r->size = r->ngran * p->gran;
@@ -1703,9 +1738,18 @@ static int view_map(pool_t *p, int v, uint64_t g, int64_t i)
 
 static uint64_t granules(pool_t *p, uint64_t bytes) { return (bytes + p->gran - 1) / p->gran; }
 
-int ump_vmm_shared_create(int id, uint64_t bytes)
+/* What every view's maker returns: its id through *view, or the status. */
+static int view_made(int v, int status, int *view)
 {
-    if (bytes == 0 || bytes > ((uint64_t)1 << 47))
+    if (status != UMP_OK)
+        return fail(status);
+    *view = v;
+    return UMP_OK;
+}
+
+int ump_vmm_shared_create(int id, uint64_t bytes, int *view)
+{
+    if (!view || bytes == 0 || bytes > UMP_VMM_MAX_BYTES)
         return fail(UMP_ERR_ARG);
     pool_t *p;
     int status = pool_enter(id, &p);
@@ -1713,14 +1757,14 @@ int ump_vmm_shared_create(int id, uint64_t bytes)
         return fail(status);
     int v, pushed;
     int64_t i;
-    status = view_begin(p, REGION_SHARED, granules(p, bytes), &v, &pushed);
+    status = view_begin(p, REGION_SHARED, granules(p, bytes), granules(p, bytes) * p->gran, &v, &pushed);
     if (status == UMP_OK)
         status = view_handle(p, v, granules(p, bytes), p->device, 1, &i);
     if (status == UMP_OK)
         status = view_map(p, v, 0, i);
     status = view_end(p, v, status, pushed);
     pool_leave(p);
-    return status == UMP_OK ? v : fail(status);
+    return view_made(v, status, view);
 }
 
 int ump_vmm_export(int id, int view, int *fd)
@@ -1735,7 +1779,9 @@ int ump_vmm_export(int id, int view, int *fd)
     int pushed = 0;
     status = r && r->kind == REGION_SHARED ? ph_enter(p, &pushed) : UMP_ERR_ARG;
     if (status == UMP_OK)
-        status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_export(p, p->hs[r->gh[0]].h, fd);
+        status = ump__injected_failure();
+    if (status == UMP_OK)
+        status = ph_export(p, p->hs[r->gh[0]].h, fd);
     if (status == UMP_OK)
         p->st.exports++;
     ph_leave(p, pushed);
@@ -1743,47 +1789,66 @@ int ump_vmm_export(int id, int view, int *fd)
     return status == UMP_OK ? UMP_OK : fail(status);
 }
 
-int ump_vmm_import(int id, int fd, uint64_t bytes, int device)
+/* Check a peer's descriptor and take a handle of our own for it, before
+ * anything is reserved or allocated for the size the peer claims. */
+static int import_take(pool_t *p, int fd, uint64_t bytes, uint64_t *h, int *device,
+                       uint64_t *took_ns)
 {
-    if (fd < 0 || bytes == 0)
+    uint64_t t0 = now_ns();
+    int status = UMP_OK;
+    if (p->provider != UMP_PROVIDER_HOST && !ump__cu.share)
+        status = UMP_ERR_UNSUPPORTED;
+    if (status == UMP_OK)
+        status = ump__injected_failure();
+    if (status == UMP_OK)
+        status = ph_import(p, fd, bytes, h, device);
+    *took_ns = now_ns() - t0;
+    return status;
+}
+
+int ump_vmm_import(int id, int fd, uint64_t bytes, int device, int *view)
+{
+    if (!view || fd < 0 || bytes == 0)
         return fail(UMP_ERR_ARG);
     pool_t *p;
     int status = pool_enter(id, &p);
     if (status != UMP_OK)
         return fail(status);
-    if (bytes % p->gran || bytes > ((uint64_t)1 << 47)) {
+    if (bytes % p->gran || bytes > UMP_VMM_MAX_BYTES) {
         pool_leave(p);
         return fail(UMP_ERR_HANDLE); /* not the size of any memory we export */
     }
-    int v, pushed;
+    int v = -1, pushed, inner = 0, taken = 0;
     int64_t i = -1;
-    uint64_t h;
-    status = view_begin(p, REGION_IMPORTED, bytes / p->gran, &v, &pushed);
+    uint64_t h = 0, took_ns = 0;
+    status = ph_enter(p, &pushed);
+    if (status == UMP_OK)
+        status = import_take(p, fd, bytes, &h, &device, &took_ns);
+    taken = status == UMP_OK;
+    if (status == UMP_OK)
+        status = view_begin(p, REGION_IMPORTED, bytes / p->gran, 0, &v, &inner);
     if (status == UMP_OK) {
-        uint64_t t0 = now_ns();
-        status = ump__injected_failure() ? UMP_ERR_INJECTED : ph_import(p, fd, bytes, &h, &device);
-        p->bufs[v].times.physical_ns = now_ns() - t0;
-    }
-    if (status == UMP_OK) {
+        p->bufs[v].times.physical_ns = took_ns;
         i = handle_new(p, h, bytes / p->gran, device, v + 1, 1);
-        if (i < 0) {
-            ph_release(p, h);
+        if (i < 0)
             status = UMP_ERR_NOMEM;
-        }
     }
+    if (taken && i < 0)
+        ph_release(p, h); /* recorded nowhere: no view would release it */
     if (status == UMP_OK)
         status = view_map(p, v, 0, i);
-    status = view_end(p, v, status, pushed);
+    status = view_end(p, v, status, inner);
+    ph_leave(p, pushed);
     pool_leave(p);
-    return status == UMP_OK ? v : fail(status);
+    return view_made(v, status, view);
 }
 
 /* Map the handles under [ptr, ptr+bytes) of one live block a second time.
  * cuMemMap maps whole handles only (its offset must be 0), so the alias
  * spans the handles' granules; *alias is where ptr appears in it. */
-int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias)
+int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias, int *view)
 {
-    if (bytes == 0 || !alias)
+    if (bytes == 0 || !alias || !view)
         return fail(UMP_ERR_ARG);
     pool_t *p;
     int status = pool_enter(id, &p);
@@ -1801,7 +1866,7 @@ int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias
     handle_t *last = &p->hs[p->main.gh[(off + bytes - 1) / p->gran]];
     uint64_t a0 = first->at, a1 = last->at + last->ngran;
     int v, pushed;
-    status = view_begin(p, REGION_ALIAS, a1 - a0, &v, &pushed);
+    status = view_begin(p, REGION_ALIAS, a1 - a0, 0, &v, &pushed);
     for (uint64_t g = a0; g < a1 && status == UMP_OK;) {
         int64_t i = p->main.gh[g];
         status = view_map(p, v, g - a0, i);
@@ -1811,14 +1876,14 @@ int ump_vmm_alias_create(int id, uintptr_t ptr, uint64_t bytes, uintptr_t *alias
     if (status == UMP_OK)
         *alias = p->bufs[v].va + (off - a0 * p->gran);
     pool_leave(p);
-    return status == UMP_OK ? v : fail(status);
+    return view_made(v, status, view);
 }
 
 /* One handle of `bytes` (whole granules) mapped at va and again at
  * va + bytes: byte i and byte i + bytes are the same memory. */
-int ump_vmm_ring_create(int id, uint64_t bytes)
+int ump_vmm_ring_create(int id, uint64_t bytes, int *view)
 {
-    if (bytes == 0 || bytes > ((uint64_t)1 << 46))
+    if (!view || bytes == 0 || bytes > UMP_VMM_MAX_BYTES / 2)
         return fail(UMP_ERR_ARG);
     pool_t *p;
     int status = pool_enter(id, &p);
@@ -1831,7 +1896,7 @@ int ump_vmm_ring_create(int id, uint64_t bytes)
     uint64_t n = bytes / p->gran;
     int v, pushed;
     int64_t i;
-    status = view_begin(p, REGION_RING, 2 * n, &v, &pushed);
+    status = view_begin(p, REGION_RING, 2 * n, bytes, &v, &pushed);
     if (status == UMP_OK)
         status = view_handle(p, v, n, p->device, 0, &i);
     if (status == UMP_OK)
@@ -1840,14 +1905,14 @@ int ump_vmm_ring_create(int id, uint64_t bytes)
         status = view_map(p, v, n, i);
     status = view_end(p, v, status, pushed);
     pool_leave(p);
-    return status == UMP_OK ? v : fail(status);
+    return view_made(v, status, view);
 }
 
 /* Granule g on devices[g % ndevices], every device of the pool given access
  * to all of it. The devices must have been granted access to the pool. */
-int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevices)
+int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevices, int *view)
 {
-    if (bytes == 0 || bytes > ((uint64_t)1 << 47) || !devices || ndevices < 1 ||
+    if (!view || bytes == 0 || bytes > UMP_VMM_MAX_BYTES || !devices || ndevices < 1 ||
         ndevices > MAX_DEVICES)
         return fail(UMP_ERR_ARG);
     pool_t *p;
@@ -1866,7 +1931,7 @@ int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevi
         return fail(status); /* grant them access first */
     }
     int v, pushed;
-    status = view_begin(p, REGION_STRIPED, granules(p, bytes), &v, &pushed);
+    status = view_begin(p, REGION_STRIPED, granules(p, bytes), granules(p, bytes) * p->gran, &v, &pushed);
     for (uint64_t g = 0; status == UMP_OK && g < p->bufs[v].ngran; g++) {
         int64_t i;
         status = view_handle(p, v, 1, devices[g % (uint64_t)ndevices], 0, &i);
@@ -1875,7 +1940,7 @@ int ump_vmm_striped_create(int id, uint64_t bytes, const int *devices, int ndevi
     }
     status = view_end(p, v, status, pushed);
     pool_leave(p);
-    return status == UMP_OK ? v : fail(status);
+    return view_made(v, status, view);
 }
 
 int ump_vmm_view_info(int id, int view, uintptr_t *ptr, uint64_t *size, ump_vmm_view_times_t *times)

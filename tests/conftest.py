@@ -63,6 +63,16 @@ def gpu_caps(caps):
     return caps
 
 
+@pytest.fixture
+def vmm_cupy(gpu_caps):
+    """CuPy, on a GPU that supports virtual memory management (VMM pools)."""
+    if not gpu_caps.devices[0].vmm_supported:
+        pytest.skip(f"{gpu_caps.devices[0].name} does not support VMM")
+    from ump._cupy_compat import import_cupy
+
+    return import_cupy()
+
+
 def gpu_backends(caps):
     from ump import backends
 

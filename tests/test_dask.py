@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -237,6 +238,24 @@ def test_pipeline_same_with_and_without_ump(cpu_only):
 
 def _workflow():
     return pytest.importorskip("ump.bench.dask_pipeline")
+
+
+def test_a_cluster_starts_while_port_8787_is_taken():
+    """The workflow's scheduler serves its HTTP routes on a port of its own:
+    with 8787 taken (another cluster, another user's) starting one must not
+    warn, which the test settings turn into a failure."""
+    dp = _workflow()
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("", 8787))
+        holder.listen(1)
+    except OSError:
+        pass  # taken already: the case under test
+    try:
+        with dp.start_cluster("stock", 1, gpu=False, memory_limit="1GiB") as cluster:
+            assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+    finally:
+        holder.close()
 
 
 def _tiny(dp):

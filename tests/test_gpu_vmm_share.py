@@ -24,12 +24,8 @@ CHILD_TIMEOUT = 120
 
 
 @pytest.fixture
-def cupy(gpu_caps):
-    if not gpu_caps.devices[0].vmm_supported:
-        pytest.skip(f"{gpu_caps.devices[0].name} does not support VMM")
-    from ump._cupy_compat import import_cupy
-
-    return import_cupy()
+def cupy(vmm_cupy):
+    return vmm_cupy
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """The C core under AddressSanitizer + UndefinedBehaviorSanitizer and
 ThreadSanitizer, driven by the programs in tests/c/: stress.c (8 threads, over
 a million operations), arena_race.c (the arenas' lock-free paths against
-trim, double frees and fault injection) and pool_race.c (VMM pools destroyed
-while other threads use them)."""
+trim, double frees and fault injection), pool_race.c (VMM pools destroyed
+while other threads use them), ctx_race.c (ump's CUDA context changed
+under provider calls, through stub_cuda.c) and fuzz.c (random calls with
+hostile arguments, checked against a model)."""
 
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ def _build(tmp_path, driver, flags):
     return exe
 
 
-def _run(exe, count, env):
-    proc = subprocess.run([str(exe), str(count)], capture_output=True, text=True,
+def _run(exe, count, env, *args):
+    proc = subprocess.run([str(exe), str(count), *args], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr[-4000:]
     assert "ERROR" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
@@ -91,6 +93,40 @@ def test_pool_destroyed_under_its_users_under_asan_and_ubsan(tmp_path):
 def test_pool_destroyed_under_its_users_under_tsan(tmp_path):
     out = _run(_build(tmp_path, "pool_race", TSAN), 100, TSAN_ENV)
     assert "100 rounds" in out
+
+
+# Random calls with hostile sizes, pointers, ids and descriptors, and injected
+# driver failures (CUresults as well as ump's own), each checked against a
+# model of the pool and against the data in every live block. The seed is the
+# first line of the output, which a failure shows: UMP_FUZZ_SEED=<seed> reruns it.
+FUZZ_OPS = 60_000
+
+
+def test_random_hostile_calls_under_asan_and_ubsan(tmp_path):
+    exe = _build(tmp_path, "fuzz", ASAN)
+    seed = os.environ.get("UMP_FUZZ_SEED")
+    env = {**ASAN_ENV, "ASAN_OPTIONS": ASAN_ENV["ASAN_OPTIONS"] + ":allocator_may_return_null=1"}
+    out = _run(exe, FUZZ_OPS, env, *([seed] if seed else []))
+    assert out.startswith("fuzz seed: ") and f"fuzz: {FUZZ_OPS} ops" in out
+
+
+def _stub_driver(tmp_path):
+    """tests/c/stub_cuda.c as a shared library ump_cuda_load() accepts."""
+    lib = tmp_path / "libcuda_stub.so"
+    proc = subprocess.run([CC, "-shared", "-fPIC", "-O1", str(ROOT / "tests" / "c" / "stub_cuda.c"),
+                           "-o", str(lib)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(proc.stderr)
+    return lib
+
+
+# enable() sets ump's context and device while NumPy allocates on other
+# threads, whose provider calls push that context and advise that device:
+# written and read as plain globals, TSan reported the race at once.
+def test_context_changed_under_provider_calls_under_tsan(tmp_path):
+    exe = _build(tmp_path, "ctx_race", TSAN)
+    out = _run(exe, 2000, {**TSAN_ENV, "UMP_TEST_LIBCUDA": str(_stub_driver(tmp_path))})
+    assert "2000 rounds" in out
 
 
 def test_extension_in_python_under_valgrind():

@@ -19,6 +19,7 @@ import pytest
 
 import ump
 import ump.share
+from _pools import emulated_pool
 from ump import _core, _share
 from ump._vmm import VMMPool
 
@@ -44,15 +45,7 @@ def _open_fds() -> int:
 
 @pytest.fixture
 def pool():
-    """An emulated pool; the test fails if it leaves a block, buffer or view open."""
-    p = VMMPool(emulate=True, reserve=1 << 30)
-    yield p
-    _core.fault_inject(0, 0)
-    st = p.statistics()
-    if (st.current_count, st.views, st.shared_bytes, st.imported_bytes) != (0, 0, 0, 0):
-        pytest.fail(f"the test left {st.current_count} block(s) and {st.views} view(s) open "
-                    f"({st.shared_bytes} shared, {st.imported_bytes} imported bytes)")
-    p.close()
+    yield from emulated_pool(1 << 30)
 
 
 # --- between processes ----------------------------------------------------------

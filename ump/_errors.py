@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UmpError", "OutOfMemoryError", "BackendUnavailableError", "UmpWarning"]
+__all__ = ["UmpError", "OutOfMemoryError", "InvalidArgumentError", "BackendUnavailableError", "UmpWarning"]
 
 
 class UmpError(RuntimeError):
@@ -29,6 +29,15 @@ class OutOfMemoryError(UmpError, MemoryError):
     Raised for CuPy allocations as a subclass that is also a
     ``cupy.cuda.memory.OutOfMemoryError``, so code written for stock CuPy
     catches it unchanged.
+    """
+
+
+class InvalidArgumentError(UmpError, ValueError):
+    """The C core refused an argument: a pointer that is no live block, a
+    size past what the memory spans, a device not granted access.
+
+    A ``ValueError`` as well, so code that validates input catches it as
+    it catches Python's own refusals of bad values.
     """
 
 

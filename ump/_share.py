@@ -7,10 +7,15 @@ through ``multiprocessing`` (pickling an :class:`ExportHandle` duplicates its
 fd with ``multiprocessing.reduction.DupFd``) or through :func:`listen` /
 :func:`connect`, whose socket only its owner may open and which refuse peers
 of another user. Nothing is ever written to a path others can read.
+
+Every peer is input: a received description is checked field by field, and
+its descriptor against it, before anything is reserved for it; received
+descriptors are close-on-exec; a silent peer times out.
 """
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
@@ -20,10 +25,17 @@ import sys
 import tempfile
 import threading
 
-from ._errors import UmpError
+from ._errors import InvalidArgumentError, UmpError
 from ._resource import Resource
 
 __all__ = ["ExportHandle", "import_handle", "listen", "connect", "Listener", "Connection"]
+
+#: Seconds a sharing socket waits for a peer (accept, connect, send, recv)
+#: before raising TimeoutError; None waits for ever.
+DEFAULT_TIMEOUT = 60.0
+
+#: An inter-process CUDA event handle (CUipcEventHandle) is 64 bytes.
+EVENT_BYTES = 64
 
 
 def check_platform() -> None:
@@ -77,17 +89,29 @@ class ExportHandle(Resource):
 
     @classmethod
     def _from_meta(cls, fd: int, meta) -> "ExportHandle":
-        """A handle owning ``fd`` from a peer's description; on any error
-        the fd is closed and UmpError raised."""
+        """A handle owning ``fd`` from a peer's description (a Connection's,
+        or multiprocessing's); on any error the fd is closed and UmpError
+        raised. Integers must arrive as integers: a peer's 1.5 or "12" is
+        not quietly made into a size."""
         try:
+            # Received descriptors are inheritable (multiprocessing's
+            # recvfds, like socket.recv_fds, ignores flags): every program
+            # this process runs would get the memory.
+            os.set_inheritable(fd, False)
             if not isinstance(meta, dict):
                 raise TypeError(f"expected a JSON object, got {type(meta).__name__}")
+            fields = {name: meta[name] for name in ("size", "nbytes", "granularity", "device", "pid")}
+            for name, value in fields.items():
+                if type(value) is not int:
+                    raise TypeError(f"{name} must be an integer, got {value!r}")
+            if type(meta["emulated"]) is not bool:
+                raise TypeError(f"emulated must be true or false, got {meta['emulated']!r}")
             event = meta.get("event")
-            fields = dict(size=int(meta["size"]), nbytes=int(meta["nbytes"]),
-                          granularity=int(meta["granularity"]), device=int(meta["device"]),
-                          emulated=bool(meta["emulated"]), pid=int(meta["pid"]),
+            if event is not None and (type(event) is not str or len(event) != 2 * EVENT_BYTES):
+                raise ValueError(f"event must be {EVENT_BYTES} bytes in hex, got {event!r}")
+            fields.update(emulated=meta["emulated"],
                           event=bytes.fromhex(event) if event is not None else None)
-        except Exception as err:  # KeyError, TypeError, ValueError, OverflowError (Infinity), ...
+        except Exception as err:  # KeyError, TypeError, ValueError, OSError (a closed fd), ...
             os.close(fd)
             raise UmpError(f"a malformed export handle: {err!r}") from err
         return cls(fd, **fields)
@@ -108,25 +132,65 @@ class ExportHandle(Resource):
         state = "closed" if self._fd is None else f"fd {self._fd}"
         return f"<ump.ExportHandle {self.nbytes} bytes, {where}, from pid {self.pid}, {state}>"
 
-    def _importable_by(self, pool) -> int:
-        """The fd, after checking the handle fits ``pool``; a clear error if not."""
+    def _check(self) -> int:
+        """The fd, once the description is one an exporter could have made.
+        Everything an importer acts on is checked here, before anything (an
+        importing pool, an address range, a granule map) is spent on it."""
         fd = self.fd
         try:
             os.fstat(fd)
         except OSError as err:
             raise UmpError(f"the export handle's file descriptor {fd} is closed") from err
+        from . import _core
+
+        def field(name: str, lo: int, hi: int) -> int:
+            value = getattr(self, name)
+            if type(value) is not int or not lo <= value <= hi:
+                raise InvalidArgumentError(f"the handle's {name} ({value!r}) must be an integer "
+                                           f"from {lo} to {hi}")
+            return value
+
+        # VMM granules are powers of two from a page up (2 MiB on the GPUs
+        # we measured); the memory is whole granules.
+        gran = field("granularity", 4096, 1 << 30)
+        nbytes = field("nbytes", gran, _core.VMM_MAX_BYTES)
+        field("device", 0, 2**31 - 1)
+        field("pid", 1, 2**31 - 1)
+        if gran & (gran - 1) or nbytes % gran:
+            raise InvalidArgumentError(f"the handle's granularity ({gran} bytes) is no power of two, "
+                                       f"or its {nbytes} bytes are not whole granules")
+        # The import maps nbytes (checked against the memory) and its arrays
+        # span size: a larger size would reach memory that is not the handle's.
+        if not (type(self.size) is int and 0 < self.size <= nbytes):
+            raise InvalidArgumentError(f"the handle's size ({self.size} bytes) must be positive and "
+                                       f"at most the memory behind it ({nbytes} bytes)")
+        if type(self.emulated) is not bool or not (
+                self.event is None or (type(self.event) is bytes and len(self.event) == EVENT_BYTES)):
+            raise InvalidArgumentError(f"the handle's emulated ({self.emulated!r}) or event "
+                                       f"({self.event!r}) is not one an exporter makes")
+        return fd
+
+    def _importable_by(self, pool) -> int:
+        """The fd, after checking the handle and that it fits ``pool``; a
+        clear error if not."""
+        fd = self._check()
         if self.emulated != pool.emulated:
             raise UmpError("a handle exported by " + ("an emulated" if self.emulated else "a GPU")
                            + " pool cannot be imported into " + ("an emulated" if pool.emulated else "a GPU")
                            + " pool")
-        if self.granularity != pool.granularity or self.nbytes % pool.granularity:
+        if self.granularity != pool.granularity:
             raise UmpError(f"the handle's granularity ({self.granularity} bytes, {self.nbytes} bytes "
                            f"in all) does not match the pool's ({pool.granularity} bytes)")
-        # The import maps nbytes (checked against the memory) and its arrays
-        # span size: a larger size would reach memory that is not the handle's.
-        if not (type(self.size) is int and type(self.nbytes) is int and 0 < self.size <= self.nbytes):
-            raise UmpError(f"the handle's size ({self.size} bytes) must be positive and at most "
-                           f"the memory behind it ({self.nbytes} bytes)")
+        if not pool.emulated:
+            # The driver cannot tell an allocation's size before mapping it,
+            # and the import reserves what the handle claims: no allocation
+            # is larger than the largest GPU.
+            from ._probe import probe
+
+            largest = max(d.total_memory for d in probe().devices)
+            if self.nbytes > largest:
+                raise InvalidArgumentError(f"the handle claims {self.nbytes} bytes, more than any "
+                                           f"GPU here has ({largest} bytes)")
         return fd
 
     def close(self) -> None:
@@ -189,13 +253,14 @@ def import_handle(handle: ExportHandle, pool=None, *, stream: int = 0):
     if not isinstance(handle, ExportHandle):
         raise TypeError(f"expected an ump.ExportHandle, got {type(handle).__name__}")
     if pool is None:
+        handle._check()  # a lying handle makes no pool
         key = ("emulated", 0) if handle.emulated else ("device", handle.device)
         with _importers_lock:
             pool = _importers.get(key)
             if pool is None or pool._closed:
-                # The main range serves no blocks: one granule reserved.
-                pool = _importers[key] = VMMPool(key[1], emulate=handle.emulated,
-                                                 reserve=max(handle.granularity, 1))
+                # The main range serves no blocks: one granule (whatever the
+                # handle says the granularity is) reserved.
+                pool = _importers[key] = VMMPool(key[1], emulate=handle.emulated, reserve=1)
     return pool.import_handle(handle, stream=stream)
 
 
@@ -281,23 +346,77 @@ def _check_private_dir(path: str) -> None:
                               "put the socket in a directory only you can use (mode 0700)")
 
 
+def _timeout(timeout) -> float | None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return timeout
+
+
+def _waited(timeout, what: str) -> TimeoutError:
+    return TimeoutError(f"{what} within {timeout} s (a silent or stuck peer; pass timeout= to "
+                        "wait longer)")
+
+
+def _recv_fds(sock: socket.socket, bufsize: int, maxfds: int):
+    """socket.recv_fds, but the descriptors arrive close-on-exec: CPython's
+    recv_fds ignores its flags, and a descriptor marked only after receipt
+    leaks into a program another thread starts meanwhile."""
+    fds = array.array("i")
+    msg, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * fds.itemsize),
+                                          socket.MSG_CMSG_CLOEXEC)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    return msg, list(fds), flags
+
+
 class Connection(Resource):
     """One end of a connection made by :func:`connect` or
     :meth:`Listener.accept`: :meth:`send` and :meth:`recv` export handles, one
-    message each (a SOCK_SEQPACKET socket keeps message boundaries)."""
+    message each (a SOCK_SEQPACKET socket keeps message boundaries). Each
+    waits at most ``timeout`` seconds for the peer (None: for ever), then
+    raises TimeoutError."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, timeout: float | None = DEFAULT_TIMEOUT):
         self._sock = sock
+        self.timeout = timeout
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds :meth:`send` and :meth:`recv` wait for the peer (None: for ever)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self._timeout = _timeout(seconds)
+        self._sock.settimeout(self._timeout)
 
     def send(self, handle: ExportHandle) -> None:
         """Send a handle: its description and a duplicate of its file descriptor."""
         if not isinstance(handle, ExportHandle):
             raise TypeError(f"expected an ump.ExportHandle, got {type(handle).__name__}")
-        socket.send_fds(self._sock, [json.dumps(handle._meta()).encode()], [handle.fd])
+        try:
+            socket.send_fds(self._sock, [json.dumps(handle._meta()).encode()], [handle.fd])
+        except TimeoutError:
+            raise _waited(self.timeout, "the peer took no handle") from None
 
     def recv(self) -> ExportHandle:
-        """Receive a handle; EOFError when the peer closed the connection."""
-        msg, fds, flags, _ = socket.recv_fds(self._sock, 4096, 4, socket.MSG_CMSG_CLOEXEC)
+        """Receive a handle.
+
+        Raises
+        ------
+        EOFError
+            The peer closed the connection (or died) before sending one.
+        TimeoutError
+            The peer sent nothing within ``timeout`` seconds.
+        UmpError
+            What arrived is not one handle's description and descriptor.
+        """
+        try:
+            msg, fds, flags = _recv_fds(self._sock, 4096, 4)
+        except TimeoutError:
+            raise _waited(self.timeout, "the peer sent no handle") from None
         if not msg and not fds:
             raise EOFError("the peer closed the connection")
         if len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
@@ -319,10 +438,15 @@ class Connection(Resource):
 
 
 class Listener(Resource):
-    """A Unix socket for handles (see :func:`listen`)."""
+    """A Unix socket for handles (see :func:`listen`). It belongs to the
+    process that made it: a forked child's copy closes its descriptor but
+    never removes the parent's socket."""
 
-    def __init__(self, path: str | None = None, backlog: int = 16):
+    def __init__(self, path: str | None = None, backlog: int = 16, *,
+                 timeout: float | None = DEFAULT_TIMEOUT):
         check_platform()
+        self.timeout = _timeout(timeout)
+        self._pid = os.getpid()
         self._dir = None
         if path is None:
             self._dir = tempfile.mkdtemp(prefix="ump-share-")  # mode 0700
@@ -343,25 +467,34 @@ class Listener(Resource):
             raise
 
     def accept(self) -> Connection:
-        """The next connection of a process of this user.
+        """The next connection of a process of this user, waiting at most
+        ``timeout`` seconds; the connection waits as long for each handle.
 
         Raises
         ------
         PermissionError
             The peer runs as another user; its connection is closed.
+        TimeoutError
+            No process connected in time.
         """
-        sock, _ = self._sock.accept()
+        self._sock.settimeout(self.timeout)
+        try:
+            sock, _ = self._sock.accept()
+        except TimeoutError:
+            raise _waited(self.timeout, f"no process connected to {self.address}") from None
         try:
             _check_peer(sock)
+            return Connection(sock, self.timeout)
         except BaseException:
             sock.close()
             raise
-        return Connection(sock)
 
     def close(self) -> None:
         if self._sock.fileno() < 0:
             return
         self._sock.close()
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the socket's path is its maker's
         try:
             os.unlink(self.address)
         except FileNotFoundError:
@@ -370,32 +503,41 @@ class Listener(Resource):
             os.rmdir(self._dir)
 
 
-def listen(path: str | None = None) -> Listener:
+def listen(path: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT) -> Listener:
     """Listen for processes of this user that want handles.
 
     The socket is created with mode 0600 in a private directory: a new one
     (``Listener.address`` says where) or, with ``path``, the directory of
     ``path``, which must be owned by this user and closed to others
     (mode 0700). :meth:`Listener.accept` checks each peer's uid
-    (SO_PEERCRED) and refuses other users.
+    (SO_PEERCRED) and refuses other users. ``accept`` and the connections
+    it makes wait at most ``timeout`` seconds for a peer (None: for ever).
     """
-    return Listener(path)
+    return Listener(path, timeout=timeout)
 
 
-def connect(path: str) -> Connection:
+def connect(path: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> Connection:
     """Connect to a :func:`listen` socket; the listener must run as this user.
+    The connection waits at most ``timeout`` seconds for each handle.
 
     Raises
     ------
     PermissionError
         The listening process runs as another user.
+    TimeoutError
+        The listener did not answer in time.
     """
     check_platform()
+    timeout = _timeout(timeout)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        sock.connect(path)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except TimeoutError:
+            raise _waited(timeout, f"the listener at {path} did not answer") from None
         _check_peer(sock)
+        return Connection(sock, timeout)
     except BaseException:
         sock.close()
         raise
-    return Connection(sock)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import math
 import os
 import sys
 import threading
@@ -47,7 +48,9 @@ class VMMStatistics:
     ``view``: address space they map; ``shared``: physical memory they own
     (part of ``physical``); ``imported``: other processes' memory mapped
     here (not part of ``physical``); ``views``: how many are open;
-    ``exports``: handles exported so far.
+    ``exports``: handles exported so far. ``stream_bins``: streams whose
+    freed blocks wait for reuse on that stream (at most 64: past that the
+    pool waits for its devices and pools them).
     """
 
     used_bytes: int
@@ -80,6 +83,7 @@ class VMMStatistics:
     imported_bytes: int
     views: int
     exports: int
+    stream_bins: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,12 +183,10 @@ class VMMPool:
             reserve = RESERVE_FACTOR * self.device_memory
         ctx = 0 if self.emulated else self._retain()  # after every check that may raise
         try:
-            pool_id = _core.vmm_create(provider, self.device, ctx, reserve, limit_bytes)
-            if pool_id < 0:
-                status = _core.last_status() or _core.ERR_ARG
-                hint = (f": at most {MAX_POOLS} pools may exist at once (close() unused ones)"
-                        if status == _core.ERR_ARG else "")
-                _core.check(status, f"creating a VMM pool on device {self.device}{hint}")
+            pool_id = _core.made(_core.vmm_create, f"creating a VMM pool on device {self.device}",
+                                 provider, self.device, ctx, reserve, limit_bytes,
+                                 reasons={_core.ERR_ARG: f"at most {MAX_POOLS} pools may exist at "
+                                                         "once (close() unused ones)"})
         except BaseException:
             self._release()
             raise
@@ -260,33 +262,36 @@ class VMMPool:
             raise ValueError(f"allocation size must be a non-negative int, got {size!r}")
         ptr = _core.vmm_alloc(self.id, size, stream)
         if not ptr:
-            status = _core.last_status()
-            name = _core.error_name(status)
-            where = "emulated pool" if self.emulated else f"VMM pool on device {self.device}"
-            if status == _core.ERR_HANDLE:  # closed by another thread meanwhile
-                raise UmpError(f"{where}: the pool is closed", name)
-            if status == _core.ERR_FORKED:
-                raise UmpError(f"{where} was made before fork(): a child cannot allocate from "
-                               "it (its memory is the parent's); make a pool in the child", name)
-            if status == _core.ERR_ARG and size > self._range_bytes:
-                raise OutOfMemoryError(f"{where}: {size} bytes exceed the reserved address range "
-                                       f"of {self._range_bytes} bytes", name)
-            if status == _core.ERR_ARG:  # blocks never move: the range is used up
-                raise OutOfMemoryError(f"{where}: the reserved address range of {self._range_bytes} "
-                                       f"bytes has no free {size} bytes left (live blocks fill it; "
-                                       "free some, or reserve more)", name)
-            limit = self.get_limit()
-            detail = f" (limit {limit} bytes)" if limit else ""
-            raise OutOfMemoryError(f"{where}: cannot allocate {size} bytes{detail}", name)
+            raise self._error(_core.last_status(), f"cannot allocate {size} bytes", {
+                _core.ERR_RANGE: (f"{size} bytes exceed the reserved address range of "
+                                  f"{self._range_bytes} bytes" if size > self._range_bytes else
+                                  f"the reserved address range of {self._range_bytes} bytes has no "
+                                  f"free {size} bytes left (live blocks fill it; free some, or "
+                                  "reserve more)"),
+                _core.ERR_FORKED: ("the pool was made before fork(): a child cannot allocate from "
+                                   "it (its memory is the parent's); make a pool in the child")})
         return ptr
+
+    def _error(self, status: int, what: str, reasons: dict | None = None) -> Exception:
+        """The exception for a status of this pool's C calls: names the pool,
+        a closed pool as closed, and the limit where memory ran out."""
+        where = "emulated pool" if self.emulated else f"VMM pool on device {self.device}"
+        reasons = {_core.ERR_HANDLE: "the pool is closed", **(reasons or {})}
+        limit = 0
+        if status in _core.OUT_OF_MEMORY and status != _core.ERR_RANGE:
+            try:
+                limit = self.get_limit()
+            except UmpError:  # closed meanwhile
+                pass
+        what = f"{where}: {what}" + (f" (limit {limit} bytes)" if limit else "")
+        return _core.error_for(status, what, reasons.get(status))
 
     def deallocate(self, ptr: int) -> None:
         """Free a block from :meth:`allocate`; it is reused in stream order."""
         status = _core.vmm_free(self.id, ptr)
-        if status == _core.ERR_HANDLE:  # closed by another thread meanwhile: the block went with it
-            raise UmpError(f"{ptr:#x}: the pool is closed", _core.error_name(status))
-        if status:
-            raise ValueError(f"{ptr:#x} is not a live block of this pool")
+        if status:  # ERR_HANDLE: closed by another thread meanwhile; the block went with it
+            raise self._error(status, f"freeing {ptr:#x}",
+                              {_core.ERR_ARG: f"{ptr:#x} is not a live block of this pool"})
 
     # --- CuPy's allocator interface ----------------------------------------------
     def malloc(self, size: int):
@@ -369,8 +374,8 @@ class VMMPool:
     def devices(self) -> tuple[int, ...]:
         """Devices granted access to the pool's memory (its own first)."""
         buf = (ctypes.c_int * 16)()
-        n = _core.vmm_devices(self.id, buf, 16)
-        return tuple(buf[:n])
+        n = _core.made(_core.vmm_devices, "reading the pool's devices", self.id, buf, 16)
+        return tuple(buf[:min(n, 16)])
 
     def grant(self, device: int) -> None:
         """Let kernels on ``device`` use the pool's memory at the same
@@ -406,32 +411,33 @@ class VMMPool:
     def device_of(self, ptr: int, size: int = 1) -> int:
         """The device whose memory backs ``[ptr, ptr+size)``; -1 if mixed."""
         size = _positive(size, "size")
-        dev = _core.vmm_device_of(self.id, ptr, size)
-        if dev < -1:
-            raise ValueError(f"[{ptr:#x}, +{size}) is not mapped memory of this pool")
-        return dev
+        return _core.made(_core.vmm_device_of, f"finding the device of [{ptr:#x}, +{size})", self.id,
+                          ptr, size, reasons={_core.ERR_ARG: "not mapped memory of this pool"})
 
     # --- views: a second address range over physical memory ---------------------
-    def _view(self, view: int, kind: str, what: str, size: int, nbytes: int | None = None,
-              ptr: int | None = None) -> "MappedMemory":
-        if view < 0:
-            status = _core.last_status()
-            name = _core.error_name(status)
-            if status in _core.OUT_OF_MEMORY:
-                limit = self.get_limit()
-                raise OutOfMemoryError(f"{what}: out of memory" + (f" (limit {limit} bytes)" if limit else ""),
-                                       name)
-            if status == _core.ERR_UNSUPPORTED:
-                raise UmpError(f"{what}: the CUDA driver cannot share physical memory "
-                               "(no cuMemExportToShareableHandle)", name)
-            raise UmpError(what, name)
+    def _view(self, kind: str, what: str, make, *args, size: int, nbytes: int | None = None,
+              reasons: dict | None = None, alias=None) -> "MappedMemory":
+        """A view made by the C function ``make(pool, *args, &view)``, as a
+        MappedMemory of ``nbytes`` (default ``size``) from its start (an
+        alias: from ``alias.value``, where C wrote the aliased pointer)."""
+        view = ctypes.c_int()
+        status = make(self.id, *args, ctypes.byref(view))
+        if status:
+            raise self._error(status, what, reasons)
+        view = view.value
+        nbytes = size if nbytes is None else nbytes
         try:
             base, mapped, times = _core.vmm_view(self.id, view)
-        except BaseException:  # the pool was closed meanwhile: nothing may keep the view
+            ptr = base if alias is None else alias.value
+            # Arrays over the view span nbytes from ptr: never past what C
+            # mapped, whatever a caller or a peer claimed.
+            if not (base <= ptr and ptr + nbytes <= base + mapped):
+                raise UmpError(f"{what}: {nbytes} bytes from {ptr:#x} reach past the {mapped} "
+                               f"bytes mapped at {base:#x}")
+        except BaseException:  # e.g. the pool was closed meanwhile: nothing may keep the view
             _core.vmm_view_destroy(self.id, view)
             raise
-        return MappedMemory(self, view, kind, base if ptr is None else ptr, size,
-                            size if nbytes is None else nbytes, mapped, ViewTimes(**times))
+        return MappedMemory(self, view, kind, ptr, size, nbytes, mapped, ViewTimes(**times))
 
     def allocate_shared(self, size: int) -> "MappedMemory":
         """Memory other processes can map: :meth:`MappedMemory.export` gives
@@ -454,8 +460,8 @@ class VMMPool:
         check_platform()
         if not self.emulated:
             self._check_shareable()
-        return self._view(_core.vmm_shared_create(self.id, size), "shared",
-                          f"allocating {size} shareable bytes", size)
+        return self._view("shared", f"allocating {size} shareable bytes", _core.vmm_shared_create,
+                          size, size=size)
 
     def _check_shareable(self) -> None:
         from cuda.bindings import driver
@@ -472,13 +478,15 @@ class VMMPool:
         if not isinstance(handle, ExportHandle):
             raise TypeError(f"expected an ump.ExportHandle, got {type(handle).__name__}")
         fd = handle._importable_by(self)
-        view = _core.vmm_import(self.id, fd, handle.nbytes, handle.device)
-        if view < 0 and _core.last_status() == _core.ERR_HANDLE:
-            raise UmpError(f"file descriptor {fd} is not the shareable memory its handle describes "
-                           f"({handle.nbytes} bytes exported by pid {handle.pid}): a foreign or stale "
-                           "handle", _core.error_name(_core.ERR_HANDLE))
-        mem = self._view(view, "imported", f"importing {handle.nbytes} bytes from pid {handle.pid}",
-                         handle.size)  # at most nbytes: _importable_by checked
+        foreign = (f"file descriptor {fd} is not the shareable memory its handle describes: a "
+                   "foreign or stale handle")
+        mem = self._view("imported", f"importing {handle.nbytes} bytes from pid {handle.pid}",
+                         _core.vmm_import, fd, handle.nbytes, handle.device,
+                         size=handle.size,  # at most nbytes: _importable_by checked
+                         reasons={_core.ERR_HANDLE: foreign,
+                                  # the driver maps what it has: less than described
+                                  _core.CUDA_ERROR_INVALID_VALUE: foreign + " (or smaller than it "
+                                                                            "claims)"})
         # CUDA's IPC handles are for other processes (a memory handle fails
         # to open in its own process; events are not relied on to differ):
         # within one process the exporter's stream order is the caller's.
@@ -512,10 +520,10 @@ class VMMPool:
         """
         size = _positive(size, "size")
         out = _core._uptr()
-        view = _core.vmm_alias_create(self.id, ptr, size, ctypes.byref(out))
-        if view < 0 and _core.last_status() == _core.ERR_ARG:
-            raise ValueError(f"[{ptr:#x}, +{size}) is not inside one live block of this pool")
-        return self._view(view, "alias", f"aliasing {size} bytes at {ptr:#x}", size, ptr=out.value)
+        return self._view("alias", f"aliasing {size} bytes at {ptr:#x}", _core.vmm_alias_create, ptr,
+                          size, ctypes.byref(out), size=size, alias=out,
+                          reasons={_core.ERR_ARG: f"[{ptr:#x}, +{size}) is not inside one live block "
+                                                  "of this pool"})
 
     def ring(self, size: int) -> "MappedMemory":
         """A ring buffer: ``size`` bytes of physical memory mapped twice, back
@@ -531,8 +539,8 @@ class VMMPool:
         if size % self.granularity:
             raise ValueError(f"a ring's size must be a multiple of the pool's granularity "
                              f"({self.granularity} bytes), got {size}")
-        return self._view(_core.vmm_ring_create(self.id, size), "ring",
-                          f"mapping a ring of {size} bytes", size, 2 * size)
+        return self._view("ring", f"mapping a ring of {size} bytes", _core.vmm_ring_create, size,
+                          size=size, nbytes=2 * size)
 
     def striped(self, size: int, devices) -> "MappedMemory":
         """``size`` bytes whose granules alternate between the physical memory
@@ -548,8 +556,8 @@ class VMMPool:
         for d in devices:
             self.grant(d)
         arr = (ctypes.c_int * len(devices))(*devices)
-        return self._view(_core.vmm_striped_create(self.id, size, arr, len(devices)), "striped",
-                          f"striping {size} bytes over devices {devices}", size)
+        return self._view("striped", f"striping {size} bytes over devices {devices}",
+                          _core.vmm_striped_create, size, arr, len(devices), size=size)
 
     # --- growable buffers ----------------------------------------------------------
     def buffer(self, max_bytes: int, size: int = 0) -> "GrowableBuffer":
@@ -561,13 +569,13 @@ class VMMPool:
         if self._closed:
             return
         status = _core.vmm_destroy(self._id)
-        if status == _core.ERR_FORKED:
-            raise UmpError("this pool was made before fork(): a child cannot close it (its "
-                           "memory is the parent's)", _core.error_name(status))
         if status:
-            st = self.statistics()
-            raise UmpError(f"the pool still has {st.current_count} live block(s), buffers or "
-                           f"{st.views} open view(s); free or close them before close()")
+            reasons = {}
+            if status == _core.ERR_ARG:
+                st = self.statistics()
+                reasons[status] = (f"the pool still has {st.current_count} live block(s), buffers or "
+                                   f"{st.views} open view(s); free or close them before close()")
+            raise self._error(status, "closing it", reasons)
         self._closed = True
         with _pools_lock:
             _pools.pop(self._id, None)
@@ -583,11 +591,9 @@ class GrowableBuffer(Resource):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.pool = pool
-        buf = _core.vmm_buffer_create(pool.id, max_bytes)
-        if buf < 0:
-            _core.check(_core.last_status() or _core.ERR_ARG, f"reserving {max_bytes} bytes for a buffer")
-        self._buf = buf
-        self.ptr = _core.vmm_buffer(pool.id, buf)[0]
+        self._buf = _core.made(_core.vmm_buffer_create, f"reserving {max_bytes} bytes for a buffer",
+                               pool.id, max_bytes)
+        self.ptr = _core.vmm_buffer(pool.id, self._buf)[0]
         self.max_bytes = max_bytes
         if size:
             self.resize(size)
@@ -615,8 +621,7 @@ class GrowableBuffer(Resource):
             raise ValueError(f"a buffer of max_bytes={self.max_bytes} cannot be resized to {nbytes!r}")
         status = _core.vmm_buffer_resize(self.pool.id, self._buf, nbytes)
         if status:
-            name = _core.error_name(status)
-            raise OutOfMemoryError(f"growing a buffer to {nbytes} bytes failed", name)
+            raise self.pool._error(status, f"resizing a buffer to {nbytes} bytes")
 
     def memptr(self):
         """A CuPy ``MemoryPointer`` over the buffer's current size."""
@@ -630,7 +635,7 @@ class GrowableBuffer(Resource):
 
         cupy = _cupy()
         dtype = numpy.dtype(dtype)
-        n = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+        shape, n = _extent(shape, dtype)
         if n > self.size:
             raise ValueError(f"an array of {n} bytes does not fit in the buffer's {self.size} bytes")
         return cupy.ndarray(shape, dtype, self.memptr())
@@ -645,6 +650,17 @@ def _positive(n, what: str) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"{what} must be a positive int, got {n!r}")
     return n
+
+
+def _extent(shape, dtype) -> tuple[tuple[int, ...], int]:
+    """(shape as a tuple, bytes an array of it spans), in Python ints: NumPy's
+    int64 product wraps (2**62 x 4 bytes reads as 0) and would let an array
+    reach past its memory."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"a shape's dimensions must be non-negative ints, got {shape!r}")
+    return shape, math.prod(shape) * dtype.itemsize
 
 
 class _Lease:
@@ -724,8 +740,7 @@ class MappedMemory(Resource):
         dtype = numpy.dtype(dtype)
         if shape is None:
             shape = (self.nbytes // dtype.itemsize,)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        n = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+        shape, n = _extent(shape, dtype)
         if n > self.nbytes:
             raise ValueError(f"an array of {n} bytes does not fit in {self.nbytes} bytes")
         lease = _Lease(self, n)
@@ -766,6 +781,8 @@ class MappedMemory(Resource):
         fd = _core._int(-1)
         _core.check(_core.vmm_export(self.pool.id, self._view, ctypes.byref(fd)),
                     "exporting shareable memory")
+        # The driver's descriptor would pass to every program this one runs.
+        os.set_inheritable(fd.value, False)
         event = None
         if stream is not None and not self.pool.emulated:
             try:

@@ -32,8 +32,9 @@ static long rounds = 100000;
 /* A fresh arena per phase (devices no other arena uses): its own budget. */
 static int fresh_arena(int device)
 {
-    int a = ump_arena_create(UMP_KIND_HOST, UMP_PROVIDER_HOST, (uint64_t)1 << 32, 0, device, 0);
-    CHECK(a >= 0);
+    int a = -1;
+    CHECK(ump_arena_create(UMP_KIND_HOST, UMP_PROVIDER_HOST, (uint64_t)1 << 32, 0, device, 0, &a) ==
+          UMP_OK);
     return a;
 }
 

@@ -76,9 +76,9 @@ static int view_cycle(int id, long n)
 {
     uintptr_t va;
     uint64_t size;
-    int v;
+    int v = -1;
     if (n % 3 == 0) { /* a buffer beside the main range, grown and shrunk */
-        if ((v = ump_vmm_buffer_create(id, 4 * MiB)) < 0 && gone())
+        if (ump_vmm_buffer_create(id, 4 * MiB, &v) != UMP_OK && gone())
             return 0;
         CHECK(ump_vmm_buffer_resize(id, v, 3 * MiB) == UMP_OK);
         CHECK(ump_vmm_buffer_info(id, v, &va, &size) == UMP_OK && size == 3 * MiB);
@@ -88,7 +88,7 @@ static int view_cycle(int id, long n)
         CHECK(ump_vmm_buffer_resize(id, v, MiB) == UMP_OK);
         CHECK(ump_vmm_buffer_destroy(id, v) == UMP_OK);
     } else if (n % 3 == 1) { /* one granule mapped twice */
-        if ((v = ump_vmm_ring_create(id, 2 * MiB)) < 0 && gone())
+        if (ump_vmm_ring_create(id, 2 * MiB, &v) != UMP_OK && gone())
             return 0;
         CHECK(ump_vmm_view_info(id, v, &va, &size, NULL) == UMP_OK && size == 4 * MiB);
         show(va + 3 * MiB);
@@ -101,7 +101,7 @@ static int view_cycle(int id, long n)
         if (!a && gone())
             return 0;
         memset((void *)a, (int)(n & 0x7f), MiB);
-        CHECK((v = ump_vmm_alias_create(id, a + 4096, 4096, &alias)) >= 0);
+        CHECK(ump_vmm_alias_create(id, a + 4096, 4096, &alias, &v) == UMP_OK);
         CHECK(((volatile unsigned char *)alias)[0] == (n & 0x7f));
         CHECK(ump_vmm_view_info(id, v, &va, &size, NULL) == UMP_OK && alias >= va && alias < va + size);
         show(alias);
@@ -186,8 +186,7 @@ static void *racer(void *arg)
 
 static void round_trip(void)
 {
-    pool = ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)1 << 30, 0);
-    CHECK(pool >= 0);
+    CHECK(ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)1 << 30, 0, &pool) == UMP_OK);
     __atomic_store_n(&destroyed, 0, __ATOMIC_RELAXED);
     show(0);
     pthread_t t[RACERS];
@@ -224,17 +223,19 @@ static void round_trip(void)
     CHECK(ump_vmm_free(pool, 4096) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_stats(pool, &st) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_trim(pool, 0) == UMP_ERR_HANDLE);
-    CHECK(ump_vmm_buffer_create(pool, MiB) < 0 && ump_last_status() == UMP_ERR_HANDLE);
+    int v = -1;
+    CHECK(ump_vmm_buffer_create(pool, MiB, &v) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_buffer_info(pool, 0, &va, &size) == UMP_ERR_HANDLE);
-    CHECK(ump_vmm_ring_create(pool, 2 * MiB) < 0 && ump_last_status() == UMP_ERR_HANDLE);
+    CHECK(ump_vmm_ring_create(pool, 2 * MiB, &v) == UMP_ERR_HANDLE && v == -1);
     CHECK(ump_vmm_view_info(pool, 0, &va, &size, NULL) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_view_destroy(pool, 0) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_destroy(pool) == UMP_ERR_HANDLE);
     CHECK(ump_lookup(__atomic_load_n(&shown, __ATOMIC_RELAXED), NULL, NULL, NULL) == UMP_KIND_NONE);
     /* The next pool made in the same slot has another id: the old one
      * still names nothing. */
-    int next = ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)1 << 30, 0);
-    CHECK(next >= 0 && next != pool && next % UMP_MAX_POOLS == pool % UMP_MAX_POOLS);
+    int next = -1;
+    CHECK(ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)1 << 30, 0, &next) == UMP_OK);
+    CHECK(next != pool && next % UMP_MAX_POOLS == pool % UMP_MAX_POOLS);
     CHECK(ump_vmm_stats(pool, &st) == UMP_ERR_HANDLE && ump_vmm_destroy(pool) == UMP_ERR_HANDLE);
     uintptr_t b = ump_vmm_alloc(next, 4096, 0), lb;
     int owner;
@@ -246,21 +247,21 @@ static void round_trip(void)
 }
 
 /* A free last block grows into the unused rest of the range; a full range
- * is UMP_ERR_ARG, not the limit's UMP_ERR_CAP; a size that wraps past the
+ * is UMP_ERR_RANGE, not the limit's UMP_ERR_CAP; a size that wraps past the
  * end of the address space is refused before a granule is read. */
 static void edges(void)
 {
-    int p = ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, 64 * MiB, 0);
-    CHECK(p >= 0);
+    int p = -1, dev = -1;
+    CHECK(ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, 64 * MiB, 0, &p) == UMP_OK);
     uintptr_t a = ump_vmm_alloc(p, 32 * MiB, 0);
     CHECK(a && ump_vmm_free(p, a) == UMP_OK);
     uintptr_t b = ump_vmm_alloc(p, 48 * MiB, 0);
     CHECK(b == a);
-    CHECK(ump_vmm_alloc(p, 32 * MiB, 0) == 0 && ump_last_status() == UMP_ERR_ARG);
-    CHECK(ump_vmm_device_of(p, b, UINT64_MAX) == UMP_ERR_ARG);
-    CHECK(ump_vmm_device_of(p, b + 4096, UINT64_MAX - 4095) == UMP_ERR_ARG);
+    CHECK(ump_vmm_alloc(p, 32 * MiB, 0) == 0 && ump_last_status() == UMP_ERR_RANGE);
+    CHECK(ump_vmm_device_of(p, b, UINT64_MAX, &dev) == UMP_ERR_ARG);
+    CHECK(ump_vmm_device_of(p, b + 4096, UINT64_MAX - 4095, &dev) == UMP_ERR_ARG);
     CHECK(ump_vmm_migrate(p, b, UINT64_MAX, 0) == UMP_ERR_ARG);
-    CHECK(ump_vmm_device_of(p, b, 48 * MiB) == 0);
+    CHECK(ump_vmm_device_of(p, b, 48 * MiB, &dev) == UMP_OK && dev == 0);
     CHECK(ump_vmm_free(p, b) == UMP_OK && ump_vmm_destroy(p) == UMP_OK);
 }
 

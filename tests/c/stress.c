@@ -194,8 +194,8 @@ static void *view_worker(void *arg)
         uintptr_t blk = ump_vmm_alloc(pool, 3 * g, 9), alias;
         CHECK(blk);
         memset((void *)blk, 0x11, 3 * g);
-        int v = ump_vmm_alias_create(pool, blk + 1000, 2 * g, &alias);
-        CHECK(v >= 0);
+        int v = -1;
+        CHECK(ump_vmm_alias_create(pool, blk + 1000, 2 * g, &alias, &v) == UMP_OK && v >= 0);
         CHECK(((unsigned char *)alias)[2 * g - 1] == 0x11);
         ((unsigned char *)alias)[0] = 0x22;
         CHECK(((unsigned char *)blk)[1000] == 0x22);
@@ -204,18 +204,20 @@ static void *view_worker(void *arg)
 
         uintptr_t va;
         uint64_t size;
-        int r = ump_vmm_ring_create(pool, g);
-        CHECK(r >= 0 && ump_vmm_view_info(pool, r, &va, &size, NULL) == UMP_OK && size == 2 * g);
+        int r = -1;
+        CHECK(ump_vmm_ring_create(pool, g, &r) == UMP_OK);
+        CHECK(ump_vmm_view_info(pool, r, &va, &size, NULL) == UMP_OK && size == 2 * g);
         ((unsigned char *)va)[g + 7] = 0x33;
         CHECK(((unsigned char *)va)[7] == 0x33);
 
-        int sh = ump_vmm_shared_create(pool, g - 1), fd = -1; /* one granule */
-        CHECK(sh >= 0 && ump_vmm_export(pool, sh, &fd) == UMP_OK && fd >= 0);
-        int im = ump_vmm_import(pool, fd, 2 * g, 0);
-        CHECK(im < 0 && ump_last_status() == UMP_ERR_HANDLE); /* not the size it has */
-        im = ump_vmm_import(pool, fd, g, 0);
+        int sh = -1, fd = -1, im = -1;
+        CHECK(ump_vmm_shared_create(pool, g - 1, &sh) == UMP_OK); /* one granule */
+        CHECK(ump_vmm_export(pool, sh, &fd) == UMP_OK && fd >= 0);
+        CHECK(ump_vmm_import(pool, fd, 2 * g, 0, &im) == UMP_ERR_HANDLE); /* not the size it has */
+        CHECK(im == -1);
+        CHECK(ump_vmm_import(pool, fd, g, 0, &im) == UMP_OK);
         close(fd);
-        CHECK(im >= 0 && ump_vmm_view_info(pool, im, &va, &size, NULL) == UMP_OK);
+        CHECK(ump_vmm_view_info(pool, im, &va, &size, NULL) == UMP_OK);
         uintptr_t sva;
         CHECK(ump_vmm_view_info(pool, sh, &sva, &size, NULL) == UMP_OK);
         ((unsigned char *)sva)[g - 1] = 0x44;
@@ -231,8 +233,8 @@ static void *view_worker(void *arg)
 
 static void pool_stress(void)
 {
-    pool = ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)16 << 30, (uint64_t)2 << 30);
-    CHECK(pool >= 0);
+    CHECK(ump_vmm_create(UMP_PROVIDER_HOST, 0, 0, (uint64_t)16 << 30, (uint64_t)2 << 30, &pool) ==
+          UMP_OK);
     pthread_t t[THREADS], views;
     for (long i = 0; i < THREADS; i++)
         CHECK(pthread_create(&t[i], NULL, pool_worker, (void *)i) == 0);
@@ -266,7 +268,8 @@ static void pool_stress(void)
     CHECK(st.physical_bytes == 0 && st.mapped_bytes == 0 && st.rollbacks == rollbacks + 1);
 
     /* Buffers grow in place; migration keeps the address and the data. */
-    int buf = ump_vmm_buffer_create(pool, 64 << 20);
+    int buf = -1;
+    CHECK(ump_vmm_buffer_create(pool, 64 << 20, &buf) == UMP_OK);
     CHECK(buf >= 0);
     uintptr_t bva;
     uint64_t bsize;
@@ -280,7 +283,8 @@ static void pool_stress(void)
     CHECK(ump_vmm_buffer_resize(pool, buf, 65 << 20) != UMP_OK);
     CHECK(ump_vmm_grant(pool, 1) == UMP_OK);
     CHECK(ump_vmm_migrate(pool, (uintptr_t)bp, 40 << 20, 1) == UMP_OK);
-    CHECK(ump_vmm_device_of(pool, (uintptr_t)bp, 40 << 20) == 1);
+    int dev = -1;
+    CHECK(ump_vmm_device_of(pool, (uintptr_t)bp, 40 << 20, &dev) == UMP_OK && dev == 1);
     CHECK(bp[0] == 0x5a && bp[(40 << 20) - 1] == 0x6b);
     CHECK(ump_vmm_buffer_resize(pool, buf, 1 << 20) == UMP_OK);
 
@@ -306,7 +310,8 @@ int main(int argc, char **argv)
 {
     if (argc > 1)
         ops_per_thread = atol(argv[1]);
-    arena = ump_arena_create(UMP_KIND_HOST, UMP_PROVIDER_HOST, (uint64_t)1 << 30, 0, -1, 0);
+    CHECK(ump_arena_create(UMP_KIND_HOST, UMP_PROVIDER_HOST, (uint64_t)1 << 30, 0, -1, 0, &arena) ==
+          UMP_OK);
     CHECK(arena >= 0);
     CHECK(ump_set_numpy_arena(arena) == UMP_OK);
 

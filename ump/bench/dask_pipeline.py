@@ -365,7 +365,10 @@ def start_cluster(config: str, workers: int, *, gpu: bool = True, threads: int =
             env["CUDA_VISIBLE_DEVICES"] = device
         name = f"gpu{device}" if device is not None else f"cpu{i}"
         spec[name] = {"cls": Nanny, "options": {**options, "env": env}}
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}
+    # The scheduler serves its HTTP routes even without a dashboard, and with no
+    # address on port 8787: a port of its own, so a cluster already there
+    # (another user's, a test's) is no warning.
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False, "dashboard_address": ":0"}}
     return SpecCluster(workers=spec, scheduler=scheduler, silence_logs=logging.WARNING, name=f"ump-bench-{config}")
 
 
