@@ -30,7 +30,8 @@ def test_info_without_cuda_bindings_says_why_once_and_how_to_install(tmp_path):
     out = _info(tmp_path, hide_cuda_bindings=True)
     lines = out.splitlines()
     assert out.count("cuda-bindings is not installed") == 1
-    assert "GPU: none (cuda-bindings is not installed: pip install ump[cuda12] or ump[cuda13]" in out
+    assert ("GPU: none (cuda-bindings is not installed: pip install ump-unified-memory[cuda12] or "
+            "ump-unified-memory[cuda13]") in out
     for name in GPU_BACKENDS:
         assert f"backend {name}: unavailable: no GPU" in lines
     assert "backend host: available" in lines

@@ -16,11 +16,12 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 from .. import _probe, backends
+from .._version import pip_install
+from . import progress as _progress
 from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, NEEDS, ON_REQUEST
 
 __all__ = ["ArgumentError", "configurations", "run", "compare", "table", "plot", "overhead"]
@@ -39,7 +40,7 @@ def _gpu_missing(caps) -> str | None:
     if not caps.gpu:
         return f"no GPU ({caps.reason})"
     if caps.cupy_version is None:
-        return "CuPy is not installed (pip install ump[cuda12] or ump[cuda13])"
+        return f"CuPy is not installed ({pip_install('cuda12', 'cuda13')})"
     return None
 
 
@@ -130,11 +131,13 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
     raw, skipped = {}, {}
     t_start = time.perf_counter()
     steps = [(r, c) for r in range(rounds) for c in configs]
+    shown = _progress.Progress([(c, s) for _, c in steps for s in _progress.suites_in(c, suites, CONFIG_FREE)],
+                               progress)
     for i, (r, config) in enumerate(steps, 1):
-        print(f"[{i}/{len(steps)}] round {r + 1}/{rounds} {config}: {', '.join(suites)} "
-              f"({time.perf_counter() - t_start:.0f} s so far)", file=progress, flush=True)
+        shown.say(f"[{i}/{len(steps)}] round {r + 1}/{rounds} {config}: {', '.join(suites)} "
+                  f"({time.perf_counter() - t_start:.0f} s so far)")
         cmd = [sys.executable, "-m", "ump.bench.worker", config, ",".join(suites), "1" if smoke else "0"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        proc = _progress.run_worker(cmd, config, shown, env=dict(os.environ))
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark configuration {config!r} failed:\n{proc.stderr[-4000:]}")
         for case, timing in json.loads(proc.stdout).items():
@@ -153,6 +156,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr) -
             entry["round_cpu"].append(statistics.median(timing["cpu"]))
             if timing["gpu"]:
                 entry["round_gpu"].append(statistics.median(timing["gpu"]))
+    shown.close()
     results = {}
     for case, per in raw.items():
         results[case] = {"suite": per.pop("suite")}
@@ -237,6 +241,10 @@ def compare(old, new, threshold=1.25, floor_us=1.0) -> list[str]:
     return found
 
 
+#: The interop suite's operations, a panel each in the plot.
+INTEROP_OPS = ("asarray", "asnumpy", "roundtrip")
+
+
 def plot(report, path) -> bool:
     try:
         import matplotlib
@@ -245,8 +253,11 @@ def plot(report, path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for op in ("asarray", "asnumpy", "roundtrip"):
+    ops = [op for op in INTEROP_OPS if any(case.startswith(op + " ") for case in report["results"])]
+    # One panel per operation: every configuration's line of one operation
+    # side by side, each in its own colour.
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 4.2), squeeze=False)
+    for ax, op in zip(axes[0], ops):
         for config in report["configs"]:
             xs, ys = [], []
             for case, per in report["results"].items():
@@ -254,13 +265,14 @@ def plot(report, path) -> bool:
                     xs.append(int(case.split()[1].removesuffix("MiB")))
                     ys.append(_time_of(per[config])["median"])
             if xs:
-                ax.plot(xs, ys, marker="o", label=f"{op} [{config}]")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("array size (MiB)")
-    ax.set_ylabel("time (µs, median)")
-    ax.set_title("NumPy ↔ CuPy conversion time")
-    ax.legend(fontsize=6, ncol=2)
+                ax.plot(xs, ys, marker="o", label=config)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("array size (MiB)")
+        ax.set_title(op)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("time (µs, median)")
+    fig.suptitle("NumPy ↔ CuPy conversion time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -283,7 +295,7 @@ def _load(option: str, path: str) -> dict:
 
 
 def _has_interop_cases(report) -> bool:
-    return any(case.split()[0] in ("asarray", "asnumpy", "roundtrip") for case in report["results"])
+    return any(case.split()[0] in INTEROP_OPS for case in report["results"])
 
 
 def main(args) -> int:
@@ -321,7 +333,7 @@ def main(args) -> int:
                     print(f"plot: {args.plot}")
                 else:
                     print(f"plot not written ({args.plot}): matplotlib is not installed "
-                          "(pip install ump[bench])", file=sys.stderr)
+                          f"({pip_install('bench')})", file=sys.stderr)
     if args.compare:
         slow = compare(old, report, threshold=args.threshold)
         for line in slow:

@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from .._version import pip_install
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -861,6 +863,6 @@ GPU_SUITES = {"alloc_cupy": alloc_cupy, "dispatch": dispatch, "interop": interop
 #: Suites whose cases do not depend on the configuration: run once, in "stock".
 CONFIG_FREE = {"moves", "pools", "vmm", "dask"}
 #: Suites that need a package beyond CuPy: suite -> (module, how to install it).
-NEEDS = {"dask": ("distributed", "pip install ump[dask]")}
+NEEDS = {"dask": ("distributed", pip_install("dask"))}
 #: Suites a run of every suite leaves out, and why.
 ON_REQUEST = {"dask": "a 16 GiB workflow on 1 and 2 GPUs, several minutes"}

@@ -21,15 +21,15 @@ def main(argv):
         os.environ["CUPY_ENABLE_UMP"] = "1"
         options = {"placement": placement} if placement else {}
         ump.enable(backend, **options)
-    from ump.bench import cases
+    from ump.bench import cases, progress
 
     results = {}
-    for suite in suites:
-        if suite in cases.CONFIG_FREE and backend != "stock":
-            continue
+    for suite in progress.suites_in(config, suites, cases.CONFIG_FREE):
         fn = {**cases.CPU_SUITES, **cases.GPU_SUITES}[suite]
+        progress.report("start", suite)
         for case, timing in fn(smoke).items():
             results[case] = {"suite": suite, **timing}
+        progress.report("done", suite)
     json.dump(results, sys.stdout)
 
 
