@@ -22,8 +22,8 @@ def _test_the_installed_package():
     ump/ has no built extension there, or one from another build. Drop the
     tree from sys.path and forget the modules imported from it. An editable
     install, or none, leaves the tree as it is. The tests' own Python
-    processes (`python -c`, `python -m`) would put their working directory
-    first too: PYTHONSAFEPATH (Python >= 3.11) keeps it out."""
+    processes (`python -c`, `python -m`) put their working directory first
+    too: they run in a temporary directory."""
     saved = sys.path[:]
     sys.path[:] = [p for p in saved if pathlib.Path(p or ".").resolve() != ROOT]
     tree_modules = {name: module for name, module in sys.modules.items()
@@ -34,8 +34,6 @@ def _test_the_installed_package():
     if spec is None or _from_tree(spec.origin):
         sys.path[:] = saved
         sys.modules.update(tree_modules)
-    else:
-        os.environ["PYTHONSAFEPATH"] = "1"
 
 
 _test_the_installed_package()

@@ -147,6 +147,7 @@ def _run(run: argparse.ArgumentParser, args) -> int:
     if args.module:
         # Checked as python -m checks it, once ump is enabled (the module's
         # package may allocate as it imports): one line, not runpy's traceback.
+        _launch.program_path()
         why = _module_missing(args.program)
         if why:
             run.error(f"-m {args.program}: {why}")

@@ -7,7 +7,7 @@ import os
 import runpy
 import sys
 
-__all__ = ["start", "run"]
+__all__ = ["start", "program_path", "run"]
 
 
 def start(backend: str, options: dict) -> str:
@@ -28,16 +28,21 @@ def start(backend: str, options: dict) -> str:
     return ump.enable(backend, **options)
 
 
+def program_path(script: str | None = None) -> None:
+    """``sys.path[0]`` as Python sets it for a program: the script's
+    directory, or the working directory for ``-m``; nothing under ``-P``
+    (``PYTHONSAFEPATH``)."""
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = os.getcwd() if script is None else os.path.dirname(os.path.abspath(script))
+
+
 def run(*, script: str | None = None, module: str | None = None, args=()) -> None:
     """Run ``script`` or ``module`` as ``__main__`` with ``args`` as its
     command line, as ``python script.py`` or ``python -m`` would."""
-    # sys.path[0] as Python sets it: the current directory for -m, the
-    # script's directory for a script.
+    program_path(script)
     if module is not None:
         sys.argv = [module, *args]
-        sys.path[0] = os.getcwd()
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
         sys.argv = [script, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")
