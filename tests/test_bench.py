@@ -246,7 +246,7 @@ def test_progress_draws_a_bar_on_a_terminal(monkeypatch):
     assert "host: a" in text and "1/2" in text and " left" in text and "a line above the bar" in text
 
 
-def test_the_worker_reports_its_suites_as_they_run():
+def test_the_worker_reports_its_suites_as_they_run(tmp_path):
     """A configuration's process says when each suite starts and ends, while
     its results still arrive whole on stdout."""
     cmd = [sys.executable, "-m", "ump.bench.worker", "stock", "alloc_numpy", "1"]
@@ -259,7 +259,8 @@ def test_the_worker_reports_its_suites_as_they_run():
         def end(self, config, suite):
             events.append(("done", config, suite))
 
-    proc = bench_progress.run_worker(cmd, "stock", Recorder([("stock", "alloc_numpy")], io.StringIO()))
+    proc = bench_progress.run_worker(cmd, "stock", Recorder([("stock", "alloc_numpy")], io.StringIO()),
+                                     cwd=tmp_path)  # where no source tree shadows the installed ump
     assert proc.returncode == 0, proc.stderr
     assert events == [("start", "stock", "alloc_numpy"), ("done", "stock", "alloc_numpy")]
     assert "np.empty 64B" in json.loads(proc.stdout) and "ump-bench-progress" not in proc.stderr
@@ -369,10 +370,11 @@ def test_a_suite_whose_package_is_missing_is_named(monkeypatch):
     assert "dask" in bench.GPU_SUITES and "dask" in bench.CONFIG_FREE
 
 
-def test_suites_with_their_own_configurations_run_once(monkeypatch):
+def test_suites_with_their_own_configurations_run_once(monkeypatch, tmp_path):
     """Suites that set up their own configurations (pools, dask) run in the
     "stock" process alone, not once per configuration."""
     monkeypatch.setattr(bench, "CONFIG_FREE", {"alloc_numpy"})
+    monkeypatch.chdir(tmp_path)  # the workers start here, where no source tree shadows the installed ump
     report = bench.run(suites=["alloc_numpy"], smoke=True, progress=io.StringIO())
     assert report["configs"] == ["stock"]
     assert set(report["results"]["np.empty 64B"]) == {"suite", "stock"}

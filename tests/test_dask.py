@@ -178,7 +178,7 @@ def test_dask_worker_command_line(cpu_only, tmp_path):
             [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
              "--nworkers", "1", "--nthreads", "1", "--no-dashboard", "--local-directory", str(tmp_path),
              "--preload", "ump.dask", "--ump-backend", "host", "--ump-cap", "512MiB"],
-            stdout=out, stderr=subprocess.STDOUT,
+            stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,  # no source tree there shadows the installed ump
             # the tasks are this module's functions, pickled by reference
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
                 os.path.dirname(__file__), os.environ.get("PYTHONPATH"))))},
