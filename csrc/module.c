@@ -10,6 +10,8 @@
  * struct - so that ump/_core.py builds its constants and ctypes mirrors from
  * the header instead of copying them.
  */
+/* Py_LIMITED_API comes from setup.py: the stable ABI of 3.10, one wheel for
+ * every CPython since. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -64,7 +66,10 @@ static int add_struct(PyObject *m, const char *fields_attr, const char *size_att
             Py_DECREF(tuple);
             return -1;
         }
-        PyTuple_SET_ITEM(tuple, (Py_ssize_t)i, name);
+        if (PyTuple_SetItem(tuple, (Py_ssize_t)i, name) < 0) { /* steals name */
+            Py_DECREF(tuple);
+            return -1;
+        }
     }
     int rc = PyModule_AddObjectRef(m, fields_attr, tuple);
     Py_DECREF(tuple);

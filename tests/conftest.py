@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
-import importlib.machinery
+import importlib.util
 import os
 import pathlib
 import sys
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _from_tree(path) -> bool:
+    return path is not None and pathlib.Path(path).resolve().is_relative_to(ROOT)
+
 
 def _test_the_installed_package():
-    """`python -m pytest` puts the working directory first on sys.path. In a
-    source tree whose C core was not built in place (an unpacked sdist after
-    `pip install .`), that tree's ump/ would shadow the installed package and
-    fail to import its extension: test the installed package instead."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    source = root / "ump"
-    built = any((source / f"_ucore{suffix}").exists() for suffix in importlib.machinery.EXTENSION_SUFFIXES)
-    if source.is_dir() and not built:
-        sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != root]
+    """`python -m pytest` puts the working directory first on sys.path, and
+    pytest imports ump's plugin (an entry point) before this file runs, so in
+    a source tree `ump` is this tree's. Where ump is installed elsewhere (a
+    wheel, `pip install .` of an unpacked sdist), test that: this tree's
+    ump/ has no built extension there, or one from another build. Drop the
+    tree from sys.path and forget the modules imported from it. An editable
+    install, or none, leaves the tree as it is. The tests' own Python
+    processes (`python -c`, `python -m`) put their working directory first
+    too: they run in a temporary directory."""
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if pathlib.Path(p or ".").resolve() != ROOT]
+    tree_modules = {name: module for name, module in sys.modules.items()
+                    if name.split(".")[0] == "ump" and _from_tree(getattr(module, "__file__", None))}
+    for name in tree_modules:
+        del sys.modules[name]
+    spec = importlib.util.find_spec("ump")
+    if spec is None or _from_tree(spec.origin):
+        sys.path[:] = saved
+        sys.modules.update(tree_modules)
 
 
 _test_the_installed_package()
@@ -28,6 +44,10 @@ import pytest  # noqa: E402
 import ump  # noqa: E402
 from _gpu import require_backend  # noqa: E402
 from ump import _core  # noqa: E402
+
+
+def pytest_report_header(config):
+    return f"ump {ump.__version__} from {pathlib.Path(ump.__file__).parent}"
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import argparse
 import copy
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 from ump import bench
 from ump._vmm import VMMPool
 from ump.bench import cases
+from ump.bench import progress as bench_progress
 
 MiB = 1 << 20
 
@@ -82,18 +84,54 @@ def test_rounds_interleave_configurations(tmp_path):
                  "--plot", "")
     assert run.returncode == 0, run.stderr
     assert "round 2/2" in run.stderr
+    # inside every configuration, each suite as it starts, with the time left once one has ended
+    assert "  stock: alloc_numpy (suite 1/6, " in run.stderr
+    assert re.search(r"  host: alloc_numpy \(suite 6/6, \d+ s so far, about \d+ s left\)", run.stderr), run.stderr
     report = json.loads(out.read_text())
     entry = report["results"]["np.empty 64B"][report["configs"][-1]]  # a ump configuration
     assert len(entry["round_cpu"]) == 2 and entry["cpu"]["n"] == len(entry["cpu_times"])
 
 
 def _usage_error(run) -> str:
-    """The one line a bad argument gets: exit status 2, no traceback."""
+    """What a bad argument gets, as argparse does it: the usage, then one
+    line; exit status 2, no traceback."""
     assert run.returncode == 2, (run.returncode, run.stderr)
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
-    assert lines[0].startswith("python -m ump bench: error: ")
+    assert run.stderr.startswith("usage: python -m ump bench ") and "Traceback" not in run.stderr, run.stderr
+    lines = [line for line in run.stderr.strip().splitlines() if not line.startswith((" ", "usage:"))]
+    assert len(lines) == 1 and lines[0].startswith("python -m ump bench: error: "), run.stderr
+    assert "[1/" not in run.stderr  # nothing ran
     return lines[0]
+
+
+def test_help_lists_the_suites_and_configurations(tmp_path):
+    run = _bench(tmp_path, "--help")
+    assert run.returncode == 0, run.stderr
+    listed = {line.split()[0] for line in run.stdout.splitlines() if line.startswith("  ") and
+              not line.lstrip().startswith("-")}
+    assert set(bench.CPU_SUITES) | set(bench.GPU_SUITES) | set(bench.KNOWN_CONFIGS) <= listed
+    for name in bench.ON_REQUEST:
+        assert any(line.split()[0] == name and "only when named" in line for line in run.stdout.splitlines()
+                   if line.startswith("  "))
+
+
+@pytest.mark.parametrize("flag, path, why", [
+    ("--output", "/proc/no-such-dir/r.json", "No such file or directory"),
+    ("--output", ".", "Is a directory"),
+    ("--plot", "/proc/no-such-dir/p.png", "No such file or directory"),
+])
+def test_an_output_it_cannot_write_is_refused_before_the_run(tmp_path, flag, path, why):
+    """A long run must not lose its results to a path it cannot write at its end."""
+    args = {"--output": str(tmp_path / "r.json"), "--plot": "", flag: path}
+    line = _usage_error(_bench(tmp_path, "--smoke", *(x for kv in args.items() for x in kv)))
+    assert line.startswith(f"python -m ump bench: error: {flag}: cannot write ") and line.endswith(why)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_writable_output_is_checked_without_a_trace(tmp_path):
+    """The check leaves no empty file where the run fails (no results)."""
+    out = tmp_path / "new" / "r.json"
+    run = _bench(tmp_path, "--suites", "interop", "--output", str(out))  # refused later, or run on a GPU
+    assert run.returncode in (0, 2) and (out.exists() == (run.returncode == 0)), run.stderr
 
 
 def test_unknown_suite_names_the_known_ones(tmp_path):
@@ -170,6 +208,83 @@ def test_plot_without_matplotlib_is_reported(tmp_path, monkeypatch, capsys):
     assert not plot.exists()
 
 
+def test_progress_estimates_from_each_suites_own_time(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(bench_progress.time, "perf_counter", lambda: now[0])
+    out = io.StringIO()
+    shown = bench_progress.Progress([("stock", "slow"), ("stock", "fast"), ("host", "slow"), ("host", "fast")], out)
+    assert shown.left() is None  # nothing measured yet
+    shown.start("stock", "slow")
+    now[0] = 10.0
+    shown.end("stock", "slow")
+    shown.start("stock", "fast")
+    now[0] = 11.0
+    shown.end("stock", "fast")
+    assert shown.left() == 10.0 + 1.0  # host: slow then fast, each as long as in stock
+    shown.start("host", "slow")
+    now[0] = 15.0
+    assert shown.left() == 7.0  # 4 s into the slow one, then the fast one
+    assert "stock: fast (suite 2/4, 10 s so far, about 30 s left)" in out.getvalue()  # unknown: as the mean
+    assert "host: slow (suite 3/4, 11 s so far, about 11 s left)" in out.getvalue()
+
+
+def test_progress_draws_a_bar_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm", reason="the bar needs tqdm (pip install ump-unified-memory[bench])")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    shown = bench_progress.Progress([("stock", "a"), ("host", "a")], out)
+    shown.start("stock", "a")
+    shown.end("stock", "a")
+    shown.start("host", "a")
+    shown.say("a line above the bar")
+    shown.close()
+    text = out.getvalue()
+    assert "host: a" in text and "1/2" in text and " left" in text and "a line above the bar" in text
+
+
+def test_the_worker_reports_its_suites_as_they_run(tmp_path):
+    """A configuration's process says when each suite starts and ends, while
+    its results still arrive whole on stdout."""
+    cmd = bench._worker("stock", ["alloc_numpy"], True)
+    events = []
+
+    class Recorder(bench_progress.Progress):
+        def start(self, config, suite):
+            events.append(("start", config, suite))
+
+        def end(self, config, suite):
+            events.append(("done", config, suite))
+
+    proc = bench_progress.run_worker(cmd, "stock", Recorder([("stock", "alloc_numpy")], io.StringIO()),
+                                     cwd=tmp_path)  # where no source tree shadows the installed ump
+    assert proc.returncode == 0, proc.stderr
+    assert events == [("start", "stock", "alloc_numpy"), ("done", "stock", "alloc_numpy")]
+    assert "np.empty 64B" in json.loads(proc.stdout) and "ump-bench-progress" not in proc.stderr
+
+
+def test_plot_has_a_panel_per_operation(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install ump-unified-memory[bench])")
+    import matplotlib.pyplot as plt
+
+    report = {"configs": ["stock", "managed", "pinned"], "results": {}}
+    for op in bench.INTEROP_OPS:
+        for mib in (1, 16, 256):
+            entry = _report(float(mib), case=f"{op} {mib}MiB")["results"][f"{op} {mib}MiB"]
+            report["results"][f"{op} {mib}MiB"] = {**entry, "managed": entry["stock"], "pinned": entry["stock"]}
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert bench.plot(report, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
+    (fig,) = figures
+    assert [ax.get_title() for ax in fig.axes] == list(bench.INTEROP_OPS)
+    for ax in fig.axes:
+        assert [line.get_label() for line in ax.get_lines()] == report["configs"]
+        assert all(len(line.get_xdata()) == 3 for line in ax.get_lines())
+
+
 # --- the vmm suite ------------------------------------------------------------------
 
 def test_vmm_is_a_gpu_suite_run_once_per_run():
@@ -192,7 +307,7 @@ def test_a_case_the_machine_cannot_run_is_reported_with_its_reason(monkeypatch):
     case, why = cases.STRIPED_CASES[0], "needs two GPUs, this machine has 1"
     worker_out = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 2.0], "gpu": []},
                   case: {"suite": "vmm", "skipped": why}, bench.PROCESS_KEY: {"ump_imported": False}}
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+    monkeypatch.setattr(bench_progress, "run_worker", lambda cmd, *args, **kw: subprocess.CompletedProcess(
         cmd, 0, stdout=json.dumps(worker_out), stderr=""))
     err = io.StringIO()
     report = bench.run(suites=["alloc_numpy"], configs=["stock"], rounds=2, progress=err)
@@ -255,12 +370,13 @@ def test_a_suite_whose_package_is_missing_is_named(monkeypatch):
     assert "dask" in bench.GPU_SUITES and "dask" in bench.CONFIG_FREE
 
 
-def test_suites_with_their_own_configurations_run_once(monkeypatch):
+def test_suites_with_their_own_configurations_run_once(monkeypatch, tmp_path):
     """Suites that set up their own configurations (pools, dask) measure
     ump's own code: they run in the "imported" process alone, not once per
     configuration, and a run that names other configurations gets that
     process too."""
     monkeypatch.setattr(bench, "CONFIG_FREE", {"alloc_numpy"})
+    monkeypatch.chdir(tmp_path)  # the workers start here, where no source tree shadows the installed ump
     report = bench.run(suites=["alloc_numpy"], smoke=True, progress=io.StringIO())
     assert report["configs"] == ["imported"]
     assert set(report["results"]["np.empty 64B"]) == {"suite", "imported"}
@@ -268,13 +384,13 @@ def test_suites_with_their_own_configurations_run_once(monkeypatch):
     assert report["configs"] == ["stock", "imported"]
 
 
-def test_the_stock_process_never_imports_ump():
+def test_the_stock_process_never_imports_ump(tmp_path):
     """"stock" is CuPy and NumPy alone: its worker starts by path and reads
     the cases without the package; "imported" has ump in sys.modules."""
     imported = {}
     for config in ("stock", "imported"):
         proc = subprocess.run(bench._worker(config, ["alloc_numpy"], True), capture_output=True,
-                              text=True, check=True)
+                              text=True, check=True, cwd=tmp_path)
         imported[config] = json.loads(proc.stdout)[bench.PROCESS_KEY]["ump_imported"]
     assert imported == {"stock": False, "imported": True}
 
@@ -352,12 +468,12 @@ def test_a_run_of_every_suite_leaves_out_those_run_on_request(monkeypatch):
     """The Dask workflow takes minutes: only `--suites dask` runs it."""
     asked = []
 
-    def worker(cmd, **kw):
+    def worker(cmd, *args, **kw):
         asked.append(cmd[-2].split(","))
         return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps({bench.PROCESS_KEY: {"ump_imported": False}}),
                                            stderr="")
 
-    monkeypatch.setattr(bench.subprocess, "run", worker)
+    monkeypatch.setattr(bench_progress, "run_worker", worker)
     err = io.StringIO()
     bench.run(configs=["stock"], rounds=1, progress=err)
     assert asked and all("dask" not in suites for suites in asked)

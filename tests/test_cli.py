@@ -30,7 +30,8 @@ def test_info_without_cuda_bindings_says_why_once_and_how_to_install(tmp_path):
     out = _info(tmp_path, hide_cuda_bindings=True)
     lines = out.splitlines()
     assert out.count("cuda-bindings is not installed") == 1
-    assert "GPU: none (cuda-bindings is not installed: pip install ump[cuda12] or ump[cuda13]" in out
+    assert ("GPU: none (cuda-bindings is not installed: pip install ump-unified-memory[cuda12] or "
+            "ump-unified-memory[cuda13]") in out
     for name in GPU_BACKENDS:
         assert f"backend {name}: unavailable: no GPU" in lines
     assert "backend host: available" in lines
@@ -67,3 +68,42 @@ def test_info_shows_cupy_enable_ump(tmp_path, caps, value, state):
         assert "need it set to 1" not in line
     else:
         assert "the GPU backends need it set to 1" in line
+
+
+def _ump(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "ump", *args], capture_output=True, text=True, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "the following arguments are required: {info,run,bench}"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
+    (["info", "--jsn"], "unrecognized arguments: --jsn"),
+    (["bench", "--rounds"], "argument --rounds: expected one argument"),
+])
+def test_bad_usage_prints_the_usage_and_one_line(tmp_path, args, message):
+    run = _ump(tmp_path, *args)
+    assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr
+    assert run.stderr.startswith("usage: python -m ump") and message in run.stderr.splitlines()[-1], run.stderr
+
+
+def test_version(tmp_path):
+    import ump
+
+    run = _ump(tmp_path, "--version")
+    assert run.returncode == 0 and run.stdout == f"ump {ump.__version__}\n"
+
+
+def test_info_json_is_the_probe_and_the_choice(tmp_path, caps):
+    import json
+
+    run = _ump(tmp_path, "info", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["gpu"] == caps.gpu and report["reason"] == caps.reason
+    assert report["numpy_version"] == caps.numpy_version and len(report["devices"]) == len(caps.devices)
+    assert set(report["backends"]) == set(GPU_BACKENDS) | {"host"}
+    if not caps.gpu:
+        assert report["choice"] == "host" and report["backends"]["host"] == {"available": True, "reason": None}
+        assert report["backends"]["managed"] == {"available": False, "reason": "no GPU"}
+    text = _info(tmp_path)
+    assert f"enable() would choose: {report['choice']}" in text

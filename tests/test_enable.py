@@ -111,8 +111,8 @@ def test_cap_exhaustion_falls_back(cpu_only):
 
 @pytest.mark.parametrize("options,error", [
     ({"cap": -1}, ValueError), ({"cap": 0}, ValueError), ({"cap": 1.5}, ValueError),
-    ({"cap": "1G"}, TypeError), ({"cap": True}, TypeError), ({"cap": 1 << 70}, ValueError),
-    ({"device": -1}, ValueError), ({"device": "0"}, ValueError), ({"placement": "gpu"}, ValueError),
+    ({"cap": "lots"}, ValueError), ({"cap": [1]}, TypeError), ({"cap": True}, TypeError), ({"cap": 1 << 70}, ValueError),
+    ({"device": -1}, ValueError), ({"device": "zero"}, ValueError), ({"device": 0.0}, ValueError), ({"placement": "gpu"}, ValueError),
     ({"sync": "never"}, ValueError), ({"prefetch_min": -5}, ValueError), ({"colour": 1}, TypeError),
 ])
 def test_bad_options_are_rejected(options, error):
@@ -217,7 +217,7 @@ def test_without_cuda_bindings_the_probe_says_how_to_install_them(tmp_path):
     gpu, backend, reason = out.stdout.splitlines()
     assert (gpu, backend) == ("False", "host")
     assert reason.startswith("cuda-bindings is not installed")
-    assert "pip install ump[cuda12] or ump[cuda13]" in reason
+    assert "pip install ump-unified-memory[cuda12] or ump-unified-memory[cuda13]" in reason
 
 
 def test_nested_enabled_keeps_the_outer_block_enabled(cpu_only):
@@ -385,10 +385,10 @@ def test_a_gpu_without_room_for_a_context_is_an_ump_error(fake_gpu, full_gpu, mo
 
 
 def test_the_launcher_reports_a_failing_driver_in_one_line(fake_gpu, full_gpu, monkeypatch, tmp_path, capsys):
-    from ump import _launch
+    from ump._options import TABLE
     from ump.__main__ import main
 
-    for var in ("CUPY_ENABLE_UMP", *_launch.ENV_OPTIONS):
+    for var in ("CUPY_ENABLE_UMP", *(option.env for option in TABLE.values())):
         monkeypatch.delenv(var, raising=False)
     script = tmp_path / "x.py"
     script.write_text("raise SystemExit('the script must not run')\n")
@@ -396,7 +396,9 @@ def test_the_launcher_reports_a_failing_driver_in_one_line(fake_gpu, full_gpu, m
         main(["run", str(script)])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m ump: error: run: setting up the CUDA context of device 0")
+    usage, line = err.splitlines()
+    assert usage.startswith("usage: python -m ump run")
+    assert line.startswith("python -m ump run: error: setting up the CUDA context of device 0")
     assert err.rstrip().endswith("(CUDA_ERROR_OUT_OF_MEMORY)") and "Traceback" not in err
 
 

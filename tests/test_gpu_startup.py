@@ -10,6 +10,7 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -26,8 +27,9 @@ GiB = 1 << 30
 def _python(code, *args, env=None, timeout=600):
     environ = {**os.environ, **(env or {})}
     environ = {k: v for k, v in environ.items() if v is not None}  # None: unset
+    # in a directory of its own: no source tree there shadows the installed ump
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
-                         text=True, env=environ, timeout=timeout)
+                         text=True, env=environ, timeout=timeout, cwd=tempfile.gettempdir())
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
@@ -58,7 +60,8 @@ def test_enable_after_cupy_was_imported(gpu_caps, cupy_env):
     env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
     if cupy_env:
         env["CUPY_ENABLE_UMP"] = cupy_env
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=tempfile.gettempdir())
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[0] in ("managed", "pinned", "system")
 
@@ -85,7 +88,8 @@ def test_launcher_runs_a_script_zero_copy(gpu_caps, tmp_path):
                       + textwrap.dedent(CHILD) + "print(ump.backend(), sys.argv[1:])\n")
     env = {k: v for k, v in os.environ.items() if k != "CUPY_ENABLE_UMP"}
     run = subprocess.run([sys.executable, "-m", "ump", "run", "--backend", "pinned", "--cap", "2G",
-                          str(script), "x", "--y"], capture_output=True, text=True, env=env, timeout=300)
+                          str(script), "x", "--y"], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines() == ["None None [1, 2, 3]", "pinned True", "pinned ['x', '--y']"]
 

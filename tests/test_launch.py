@@ -10,8 +10,6 @@ import textwrap
 
 import pytest
 
-from ump import _launch
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -96,19 +94,42 @@ def test_run_leaves_cupy_enable_ump_as_it_was(cpu_only, tmp_path, value):
     (["--cap", "1e400", "x.py"], "'1e400' is not a size"),
     (["--cap", "inf", "x.py"], "'inf' is not a size"),
     (["--cap", "1", "x.py"], "smaller cap would send every array to plain memory"),
-    (["--backend", "nosuch", "x.py"], "unknown backend 'nosuch'"),
-    (["--device", "one", "x.py"], "device must be a device index"),
+    (["--backend", "nosuch", "x.py"], "argument --backend: invalid choice: 'nosuch'"),
+    (["--device", "one", "x.py"], "argument --device: 'one' is not a device index"),
+    (["--cap"], "argument --cap: expected one argument"),
+    (["-m"], "name a script or -m MODULE"),
+    (["-m", "no_such_module_here"], "-m no_such_module_here: no module named 'no_such_module_here'"),
+    (["-m", "json"], "-m json: json is a package and has no __main__ module"),
+    (["-m", "json.no_such_part"], "-m json.no_such_part: no module named 'json.no_such_part'"),
 ])
 def test_run_bad_arguments_say_what_is_wrong(cpu_only, tmp_path, args, message):
     (tmp_path / "x.py").write_text("raise SystemExit('the script must not run')\n")
     run = _run(["-m", "ump", "run", *args], tmp_path)
-    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("usage: python -m ump run [options] (script.py | -m module) [args ...]\n")
+    assert len(run.stderr.splitlines()) == 2  # the usage and one line
 
 
-def test_run_non_finite_cap_from_the_environment_is_a_usage_error(cpu_only, tmp_path):
+@pytest.mark.parametrize("env, message", [
+    ({"UMP_CAP": "inf"}, "UMP_CAP: 'inf' is not a size"),
+    ({"UMP_CAP": "1"}, "UMP_CAP must be a number of bytes from 2097152"),
+    ({"UMP_DEVICE": "one"}, "UMP_DEVICE: 'one' is not a device index"),
+    ({"UMP_PLACEMENT": "gpu"}, "UMP_PLACEMENT must be one of 'auto', 'host', 'migrate', got 'gpu'"),
+    ({"UMP_BACKEND": "nosuch"}, "UMP_BACKEND must be one of 'auto', 'system'"),
+])
+def test_run_bad_variables_are_usage_errors_naming_the_variable(cpu_only, tmp_path, env, message):
     (tmp_path / "x.py").write_text("raise SystemExit('the script must not run')\n")
-    run = _run(["-m", "ump", "run", "x.py"], tmp_path, env={"UMP_CAP": "inf"})
-    assert run.returncode == 2 and "'inf' is not a size" in run.stderr and "Traceback" not in run.stderr
+    run = _run(["-m", "ump", "run", "x.py"], tmp_path, env=env)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_run_takes_abbreviated_options_and_leaves_the_program_its_own(cpu_only, tmp_path):
+    """argparse's conventions: ``--back`` is ``--backend``; after the script
+    everything, abbreviations and ``-m`` included, is the program's."""
+    (tmp_path / "prog.py").write_text(textwrap.dedent(PROG))
+    run = _run(["-m", "ump", "run", "--back", "host", "--ca=64MiB", "prog.py", "--back", "-m", "x"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "host host __main__ ['--back', '-m', 'x']"
 
 
 def test_pytest_plugin_enables_ump_in_every_worker(cpu_only, tmp_path):
@@ -146,7 +167,7 @@ def test_pytest_plugin_bad_options_are_usage_errors(cpu_only, tmp_path):
     (tmp_path / "test_inner.py").write_text("def test_nothing():\n    pass\n")
     run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--ump=host", "--ump-cap=lots", str(tmp_path)],
                tmp_path)
-    assert run.returncode == 4 and "--ump: 'lots' is not a size" in run.stderr
+    assert run.returncode == 4 and "argument --ump-cap: 'lots' is not a size" in run.stderr
     assert "INTERNALERROR" not in run.stdout + run.stderr
 
 
@@ -164,43 +185,57 @@ def test_pytest_plugin_loads_by_its_module_name(cpu_only, tmp_path):
     assert run.returncode == 4 and "unrecognized arguments: --ump=host" in run.stderr, run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("path", ["test_inner.py", "suite", "suite/"])
-def test_pytest_plugin_bare_flag_before_a_path_is_a_usage_error(cpu_only, tmp_path, path):
-    """``--ump tests/`` takes the path as ``--ump``'s value: the error says
-    to write ``--ump=BACKEND``, instead of calling the path a backend."""
-    (tmp_path / "test_inner.py").write_text("def test_nothing():\n    pass\n")
+ONLY_THESE = """
+    import ump
+
+    def test_under_ump():
+        assert ump.backend() == "host"
+"""
+
+
+@pytest.mark.parametrize("path", ["suite", "suite/", "suite/test_more.py", "suite/test_more.py::test_under_ump"])
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["", "xdist"])
+def test_pytest_plugin_bare_flag_before_a_path(cpu_only, tmp_path, path, workers):
+    """``--ump tests/``: the path is pytest's, not a backend; only it runs."""
+    if workers:
+        pytest.importorskip("xdist", reason="pytest-xdist is not installed")
+    (tmp_path / "test_elsewhere.py").write_text("def test_must_not_run():\n    raise AssertionError\n")
     (tmp_path / "suite").mkdir()
-    (tmp_path / "suite" / "test_more.py").write_text("def test_nothing():\n    pass\n")
-    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--ump", path], tmp_path)
-    assert run.returncode == 4, run.stdout + run.stderr
-    assert f"--ump: {path!r} is not a backend but looks like a path" in run.stderr
-    assert "--ump=BACKEND" in run.stderr and "INTERNALERROR" not in run.stdout + run.stderr
+    (tmp_path / "suite" / "test_more.py").write_text(textwrap.dedent(ONLY_THESE))
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, "--ump", path], tmp_path)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ump-cap=4G"], "--ump-cap sets an option of ump, which only --ump enables"),
+    (["--ump-sync=stream", "--ump-device=0"], "--ump-device, --ump-sync set an option of ump"),
+    (["--ump=bogus"], "--ump: unknown backend 'bogus'; choose one of auto, system"),
+    (["--ump", "--ump-placement=gpu"], "argument --ump-placement: invalid choice: 'gpu'"),
+    (["--ump", "--ump-cap=1"], "argument --ump-cap: cap must be a number of bytes from 2097152"),
+])
+def test_pytest_plugin_misuse_is_a_usage_error(cpu_only, tmp_path, args, message):
+    (tmp_path / "test_inner.py").write_text("def test_must_not_run():\n    raise AssertionError\n")
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(tmp_path)], tmp_path)
+    assert run.returncode == 4 and message in run.stderr, run.stdout + run.stderr
+    assert "INTERNALERROR" not in run.stdout + run.stderr and "Traceback" not in run.stderr
+
+
+def test_pytest_plugin_imports_nothing_of_ump_without_the_flag(tmp_path):
+    """Every pytest session of the environment loads the plugin: without
+    ``--ump`` it leaves ump's C core and its hooks unimported."""
+    (tmp_path / "test_inner.py").write_text(textwrap.dedent("""
+        import sys
+
+        def test_nothing_of_ump_is_loaded():
+            assert "ump.pytest_plugin" in sys.modules
+            loaded = sorted(m for m in sys.modules if m.startswith("ump"))
+            assert loaded == ["ump", "ump._options", "ump._version", "ump.pytest_plugin"], loaded
+    """))
+    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], tmp_path)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
 
 
 def test_pytest_plugin_is_off_without_the_flag(cpu_only, tmp_path):
     (tmp_path / "test_inner.py").write_text("import ump\n\ndef test_off():\n    assert ump.backend() is None\n")
     run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], tmp_path)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
-
-
-@pytest.mark.parametrize("text, value", [
-    ("4096", 4096), ("4G", 4 << 30), ("512MiB", 512 << 20), ("2k", 2048), ("1tb", 1 << 40), ("0.5", 0.5),
-    ("1", 1), ("1.0", 1.0), ("8e9", 8_000_000_000),
-])
-def test_parse_size(text, value):
-    got = _launch.parse_size(text)
-    assert got == value and type(got) is type(value)
-
-
-@pytest.mark.parametrize("text", ["half", "1.5", "-2", "0.0", "4X", "inf", "-inf", "nan", "1e400"])
-def test_parse_size_refuses_what_is_neither(text):
-    with pytest.raises(ValueError, match="is not a size"):
-        _launch.parse_size(text)
-
-
-def test_settings_flags_win_over_the_environment():
-    env = {"UMP_BACKEND": "pinned", "UMP_CAP": "1G", "UMP_DEVICE": "1", "UMP_SYNC": "stream", "OTHER": "x"}
-    backend, options = _launch.settings({"cap": "2G", "placement": None}, environ=env)
-    assert backend == "pinned"
-    assert options == {"cap": 2 << 30, "device": 1, "sync": "stream"}
-    assert _launch.settings(None, environ={}) == ("auto", {})

@@ -48,7 +48,7 @@ def render(lines, machine: str) -> str:
         "got the CuPy array's own memory (*shares*: the same address), a copy, or a clear error, and in "
         "how many of the raced rounds it returned the values of a ~50 ms kernel that was still writing "
         "the array on a non-blocking stream when the read began. Host readers wait for the device "
-        "(`sync=\"device\"`, the default); GPU readers wait too, then get `kDLCUDA` (docs/guide.md, "
+        "(`sync=\"device\"`, the default); GPU readers wait too, then get `kDLCUDA` ([guide.md](guide.md), "
         "\"Coherence\").",
         "",
         "| reader | side | " + " | ".join(f"`{b}`" for b in BACKENDS) + " |",

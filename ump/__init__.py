@@ -1,20 +1,58 @@
 """ump: unified memory for NumPy and CuPy.
 
-Set ``CUPY_ENABLE_UMP=1``, call :func:`ump.enable` before importing CuPy,
-and NumPy and CuPy share memory: ``cupy.asarray(numpy_array)`` and
+Set ``CUPY_ENABLE_UMP=1``, call :func:`ump.enable` before or after importing
+CuPy, and NumPy and CuPy share memory: ``cupy.asarray(numpy_array)`` and
 ``cupy.asnumpy(cupy_array)`` keep the address and copy nothing.
 
-Importing ump neither imports CuPy nor touches the GPU.
+Importing ump neither imports CuPy nor touches the GPU; its C core loads at
+the first use of a name that needs it, so that tools which only import ump
+(the pytest plugin of every pytest session in the environment) pay nothing.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from ._version import __version__
-from ._core import Statistics
-from ._errors import BackendUnavailableError, OutOfMemoryError, UmpError, UmpWarning
-from ._probe import Capabilities, DeviceInfo, probe
-from ._enable import Options, disable, enable, enabled, is_enabled
-from ._api import advise, asarray, asnumpy, kind_of, migrate, prefetch, statistics, synchronize, trim
-from ._vmm import GrowableBuffer, MappedMemory, VMMPool, VMMStatistics, ViewTimes
-from ._share import ExportHandle, import_handle
+
+# Public name -> the private module that defines it.
+_HOMES = {
+    "Statistics": "_core",
+    "BackendUnavailableError": "_errors", "OutOfMemoryError": "_errors", "UmpError": "_errors",
+    "UmpWarning": "_errors",
+    "Capabilities": "_probe", "DeviceInfo": "_probe", "probe": "_probe",
+    "Options": "_options",
+    "disable": "_enable", "enable": "_enable", "enabled": "_enable", "is_enabled": "_enable",
+    "advise": "_api", "asarray": "_api", "asnumpy": "_api", "kind_of": "_api", "migrate": "_api",
+    "prefetch": "_api", "statistics": "_api", "synchronize": "_api", "trim": "_api",
+    "GrowableBuffer": "_vmm", "MappedMemory": "_vmm", "VMMPool": "_vmm", "VMMStatistics": "_vmm",
+    "ViewTimes": "_vmm",
+    "ExportHandle": "_share", "import_handle": "_share",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads them
+    from ._api import advise, asarray, asnumpy, kind_of, migrate, prefetch, statistics, synchronize, trim
+    from ._core import Statistics
+    from ._enable import disable, enable, enabled, is_enabled
+    from ._errors import BackendUnavailableError, OutOfMemoryError, UmpError, UmpWarning
+    from ._options import Options
+    from ._probe import Capabilities, DeviceInfo, probe
+    from ._share import ExportHandle, import_handle
+    from ._vmm import GrowableBuffer, MappedMemory, VMMPool, VMMStatistics, ViewTimes
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ump' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 def backend():
@@ -25,36 +63,4 @@ def backend():
     return state.backend.name if state is not None else None
 
 
-__all__ = [
-    "__version__",
-    "BackendUnavailableError",
-    "Capabilities",
-    "DeviceInfo",
-    "ExportHandle",
-    "GrowableBuffer",
-    "MappedMemory",
-    "Options",
-    "OutOfMemoryError",
-    "Statistics",
-    "UmpError",
-    "UmpWarning",
-    "VMMPool",
-    "VMMStatistics",
-    "ViewTimes",
-    "advise",
-    "asarray",
-    "asnumpy",
-    "backend",
-    "disable",
-    "enable",
-    "enabled",
-    "import_handle",
-    "is_enabled",
-    "kind_of",
-    "migrate",
-    "prefetch",
-    "probe",
-    "statistics",
-    "synchronize",
-    "trim",
-]
+__all__ = ["__version__", "backend", *sorted(_HOMES, key=lambda n: (not n[0].isupper(), n))]

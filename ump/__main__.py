@@ -1,13 +1,17 @@
-"""``python -m ump info``: what this machine offers and what enable() would pick."""
+"""``python -m ump``: ``info`` (what this machine offers and what enable()
+would pick), ``run`` (a program with ump enabled) and ``bench`` (the perf
+suite)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
 import sys
 
-from . import _probe, backends
-from ._errors import UmpError
+from ._options import TABLE, argparse_type, resolve
+from ._version import __version__
 
 
 def _mib(n: int) -> str:
@@ -27,16 +31,54 @@ def _cupy_enable_ump(gpu: bool) -> str:
     return f"CUPY_ENABLE_UMP: {state} ({meaning})"
 
 
+def _backends(caps) -> tuple[dict, str | None, str | None]:
+    """({backend: why it cannot run here, or None}, what enable() would
+    pick, why it would pick none)."""
+    from . import backends
+    from ._errors import UmpError
+
+    why = {}
+    for name in backends.names():
+        backend = backends.get(name)
+        if backend.uses_gpu and not caps.gpu:
+            why[name] = "no GPU"  # the reason is on the GPU line
+        else:
+            why[name] = backend.unavailable(caps, caps.devices[0] if caps.gpu else None)
+    try:
+        chosen = backends.select("auto", caps)
+    except UmpError as err:
+        return why, None, str(err)
+    return why, chosen.name, None
+
+
+def info_json(out=sys.stdout) -> int:
+    """``info --json``: the probe, the backends and the choice as one JSON object."""
+    from . import _probe
+
+    caps = _probe.probe()
+    why, chosen, none_because = _backends(caps)
+    report = {"ump": __version__, **caps.as_dict(),
+              "cupy_enable_ump": os.environ.get("CUPY_ENABLE_UMP"),
+              "backends": {name: {"available": reason is None, "reason": reason} for name, reason in why.items()},
+              "choice": chosen, "choice_reason": none_because}
+    json.dump(report, out, indent=1)
+    out.write("\n")
+    return 0
+
+
 def info(out=sys.stdout) -> int:
+    from . import _probe, backends
+    from ._version import pip_install
+
     caps = _probe.probe()
     w = out.write
-    w(f"ump {__import__('ump').__version__}\n")
+    w(f"ump {__version__}\n")
     w(f"python {caps.python_version}\n")
     for name, version in (("numpy", caps.numpy_version), ("numpy_allocator", caps.numpy_allocator_version),
                           ("cupy", caps.cupy_version), ("cuda-bindings", caps.cuda_bindings_version)):
         missing = "not installed"
         if name == "cupy" and caps.gpu:
-            missing += " (the GPU backends need it: pip install ump[cuda12] or ump[cuda13])"
+            missing += f" (the GPU backends need it: {pip_install('cuda12', 'cuda13')})"
         w(f"{name}: {version or missing}\n")
     if not caps.gpu:
         w(f"GPU: none ({caps.reason})\n")
@@ -53,69 +95,144 @@ def info(out=sys.stdout) -> int:
             w(f"  VMM supported: {int(d.vmm_supported)}, granularity {_mib(d.vmm_granularity)} "
               f"(recommended {_mib(d.vmm_recommended_granularity)})\n")
     w(_cupy_enable_ump(caps.gpu) + "\n")
-    for name in backends.names():
-        backend = backends.get(name)
-        if backend.uses_gpu and not caps.gpu:
-            why = "no GPU"  # the reason is on the GPU line above
-        else:
-            why = backend.unavailable(caps, caps.devices[0] if caps.gpu else None)
-        w(f"backend {name}: {'available' if why is None else 'unavailable: ' + why}\n")
-    try:
-        chosen = backends.select("auto", caps)
-    except UmpError as err:
-        w(f"enable() would choose: none ({err})\n")
+    why, chosen, none_because = _backends(caps)
+    for name, reason in why.items():
+        w(f"backend {name}: {'available' if reason is None else 'unavailable: ' + reason}\n")
+    if chosen is None:
+        w(f"enable() would choose: none ({none_because})\n")
     else:
-        w(f"enable() would choose: {chosen.name}")
-        if chosen.uses_gpu and os.environ.get("CUPY_ENABLE_UMP") != "1":
+        w(f"enable() would choose: {chosen}")
+        if backends.get(chosen).uses_gpu and os.environ.get("CUPY_ENABLE_UMP") != "1":
             w(", once CUPY_ENABLE_UMP=1 is set (until then ump.enable() raises ump.UmpError; "
               "python -m ump run needs no variable)")
         w("\n")
     return 0
 
 
-_RUN_OPTIONS = ("backend", "cap", "headroom", "placement", "sync", "device")
+def _add_run(sub) -> argparse.ArgumentParser:
+    run = sub.add_parser(
+        "run", help="run a program with ump enabled",
+        usage="python -m ump run [options] (script.py | -m module) [args ...]",
+        description="Enable ump, then run a script or module as __main__, as python does (like "
+                    "python -m cProfile): everything after the script or module is the program's. "
+                    "Options not given come from the environment variables named with each. "
+                    "CUPY_ENABLE_UMP=1 is not needed and not set; UMP_LAUNCHED=1 is, so that child "
+                    "processes that call ump.enable() need no variable either.")
+    for option in TABLE.values():
+        run.add_argument(option.flag(), dest=option.name, metavar=option.metavar, choices=option.choices,
+                         type=None if option.choices else argparse_type(option),
+                         help=option.describe())
+    run.add_argument("-m", dest="module", action="store_true",
+                     help="the program is a module, run as python -m runs it")
+    run.add_argument("program", nargs="?", metavar="script.py | module", help="the script, or with -m the module")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
+    return run
 
 
-def _split_run(argv):
-    """(launcher options, module, script, program arguments): the launcher's
-    options end at ``-m MODULE`` or at the script, as Python's own do, so
-    everything after belongs to the program (``-m pytest -x``)."""
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "-m":
-            return argv[:i], (argv[i + 1] if i + 1 < len(argv) else ""), None, argv[i + 2:]
-        if arg.startswith("-m") and not arg.startswith("--"):
-            return argv[:i], arg[2:], None, argv[i + 1:]
-        if not arg.startswith("-"):
-            return argv[:i], None, arg, argv[i + 1:]
-        i += 2 if arg.lstrip("-") in _RUN_OPTIONS else 1
-    return argv, None, None, []
-
-
-def _run(parser, argv) -> int:
+def _run(run: argparse.ArgumentParser, args) -> int:
     from . import _launch
+    from ._errors import UmpError
 
-    options, module, script, program = _split_run(argv)
-    args = parser.parse_args(["run", *options])
-    if not (module or script):
-        parser.error("run: name a script or -m MODULE")
+    if args.program is None:
+        run.error("name a script or -m MODULE")
+    script = None if args.module else args.program
     if script is not None and not os.path.isfile(script):
-        parser.error(f"run: {script}: no such file")
+        run.error(f"{script}: no such file")
     try:
-        backend, settings = _launch.settings({k: getattr(args, k) for k in _RUN_OPTIONS})
-        _launch.start(backend, settings)
+        backend, options = resolve({name: getattr(args, name) for name in TABLE})
+        _launch.start(backend, options)
     except (ValueError, TypeError, UmpError) as err:
-        parser.error(f"run: {err}")
-    _launch.run(module=module, script=script, args=program)
+        run.error(str(err))
+    if args.module:
+        # Checked as python -m checks it, once ump is enabled (the module's
+        # package may allocate as it imports): one line, not runpy's traceback.
+        _launch.program_path()
+        why = _module_missing(args.program)
+        if why:
+            run.error(f"-m {args.program}: {why}")
+    _launch.run(module=args.program if args.module else None, script=script, args=args.args)
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments get one line on stderr and exit status 2, not the usage."""
+def _module_missing(name: str) -> str | None:
+    """Why ``python -m name`` could not run ``name``, or None."""
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            if importlib.util.find_spec(f"{name}.__main__") is None:
+                return f"{name} is a package and has no __main__ module"
+    except ModuleNotFoundError:  # a parent package
+        spec = None
+    except (ImportError, ValueError) as err:  # a parent package that fails to import
+        return f"{type(err).__name__}: {err}"
+    return None if spec is not None else f"no module named {name!r}"
 
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+
+def _bench_epilog() -> str:
+    from . import bench
+    from .bench.cases import CPU_SUITES, GPU_SUITES, ON_REQUEST
+
+    lines = ["suites (default: all this machine runs):"]
+    for name in (*CPU_SUITES, *GPU_SUITES):
+        note = f"; only when named: {ON_REQUEST[name]}" if name in ON_REQUEST else ""
+        lines.append(f"  {name:<17}{'CPU' if name in CPU_SUITES else 'GPU'}{note}")
+    lines.append(f"  {bench.PROGRAMS:<17}GPU; only when named: CuPy's examples, unedited, stock against "
+                 "python -m ump run (--programs)")
+    lines.append("configurations (default: all this machine runs):")
+    for name in bench.KNOWN_CONFIGS:
+        backend, _, placement = name.partition(":")
+        what = {"stock": "CuPy alone (ump never imported)", "imported": "ump imported, not enabled",
+                "auto": "ump.enable() with default options (when named)"}.get(
+            name, f"ump enabled with the {backend} backend" + (f", placement {placement}" if placement else ""))
+        lines.append(f"  {name:<17}{what}")
+    return "\n".join(lines)
+
+
+def _add_bench(sub) -> argparse.ArgumentParser:
+    bench = sub.add_parser("bench", help="run the perf suite: stock CuPy vs ump",
+                           description="Run the perf suite, each configuration in a process of its own; "
+                                       "print a table, write JSON and a plot, compare with an earlier run.",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("--smoke", action="store_true", help="tiny sizes, a few repeats (CI)")
+    bench.add_argument("--suites", help="comma-separated suites (default: all the machine runs)")
+    bench.add_argument("--configs", help="comma-separated configurations (default: all)")
+    bench.add_argument("--output", default="bench-results/bench.json", help="JSON file to write (%(default)s)")
+    bench.add_argument("--plot", default="bench-results/interop.png", help="PNG plot to write (%(default)s)")
+    bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
+    bench.add_argument("--input", metavar="NEW.json", help="with --compare: compare this file, run nothing")
+    bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag (%(default)s)")
+    bench.add_argument("--programs", metavar="DIR",
+                       help="CuPy's examples/ folder, which the programs suite runs (default: $UMP_BENCH_PROGRAMS)")
+    bench.add_argument("--rounds", type=_at_least_one, default=1,
+                       help="run every configuration this many times, interleaved (spread across processes)")
+    return bench
+
+
+def _check_writable(parser, flag: str, path: str) -> None:
+    """Refuse an output a long run could not write at its end."""
+    path = os.path.abspath(path)
+    existed = os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        parser.error(f"{flag}: cannot write {path}: {err.strerror or err}")
+    if not existed:
+        os.unlink(path)
+
+
+def _bench(parser, args) -> int:
+    from . import bench as bench_mod
+
+    if not args.input:
+        _check_writable(parser, "--output", args.output)
+        if args.plot:
+            _check_writable(parser, "--plot", args.plot)
+    try:
+        return bench_mod.main(args)
+    except bench_mod.ArgumentError as err:
+        parser.error(str(err))
 
 
 def _at_least_one(text: str) -> int:
@@ -129,51 +246,22 @@ def _at_least_one(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    parser = _Parser(prog="python -m ump")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="report the probe and the backend enable() would pick")
-    bench = sub.add_parser("bench", help="run the perf suite: stock CuPy vs ump")
-    bench.add_argument("--smoke", action="store_true", help="tiny sizes, a few repeats (CI)")
-    bench.add_argument("--suites", help="comma-separated suites (default: all the machine runs)")
-    bench.add_argument("--configs", help="comma-separated configurations (default: all)")
-    bench.add_argument("--output", default="bench-results/bench.json", help="JSON file to write")
-    bench.add_argument("--plot", default="bench-results/interop.png", help="PNG plot to write")
-    bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
-    bench.add_argument("--input", metavar="NEW.json", help="with --compare: compare this file, run nothing")
-    bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag")
-    bench.add_argument("--programs", metavar="DIR",
-                       help="CuPy's examples/ folder, which the programs suite runs (default: $UMP_BENCH_PROGRAMS)")
-    bench.add_argument("--rounds", type=_at_least_one, default=1,
-                       help="run every configuration this many times, interleaved (spread across processes)")
-    run = sub.add_parser(
-        "run", help="run a program with ump enabled: python -m ump run [options] script.py|-m module [args]",
-        description="Enable ump, then run a script or module as __main__ (like python -m cProfile). "
-                    "Options not given come from UMP_BACKEND, UMP_CAP, UMP_HEADROOM, UMP_PLACEMENT, "
-                    "UMP_SYNC, UMP_DEVICE. CUPY_ENABLE_UMP=1 is not needed and not set; UMP_LAUNCHED=1 "
-                    "is, so that child processes that call ump.enable() need no variable either.")
-    run.add_argument("--backend", help="auto (default), system, managed, pinned, device or host")
-    run.add_argument("--cap", help="budget: bytes (4G, 512MiB; a whole number is bytes) or a fraction "
-                                   "in (0, 1] of free device memory (0.5)")
-    run.add_argument("--headroom", help="device memory left to others (bytes, 1G)")
-    run.add_argument("--placement", choices=("auto", "host", "migrate"))
-    run.add_argument("--sync", choices=("device", "stream"))
-    run.add_argument("--device", help="CUDA device index")
-    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
-    run.add_argument("script", nargs="?", help="the script, followed by its arguments")
+    parser = argparse.ArgumentParser(prog="python -m ump", description="Unified memory for NumPy and CuPy.")
+    parser.add_argument("--version", action="version", version=f"ump {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,run,bench}")
+    info_parser = sub.add_parser("info", help="report the probe and the backend enable() would pick")
+    info_parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    run = _add_run(sub)
+    bench = _add_bench(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["run"]:
-        return _run(parser, argv[1:])
+    if argv[:1] == ["bench"]:
+        bench.epilog = _bench_epilog()  # imports the suites: only where they are asked about
     args = parser.parse_args(argv)
     if args.command == "info":
-        return info()
-    if args.command == "bench":
-        from . import bench as bench_mod
-
-        try:
-            return bench_mod.main(args)
-        except bench_mod.ArgumentError as err:
-            bench.error(str(err))
-    return 2  # pragma: no cover
+        return info_json() if args.json else info()
+    if args.command == "run":
+        return _run(run, args)
+    return _bench(bench, args)
 
 
 if __name__ == "__main__":

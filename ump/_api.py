@@ -7,7 +7,7 @@ import numpy
 from . import _core, _enable
 from ._cupy_hook import GPU_KINDS, _block_of, advice_code
 from ._errors import UmpError
-from ._probe import check_device_index
+from ._options import check_device_index
 
 __all__ = ["kind_of", "statistics", "trim", "asarray", "asnumpy", "prefetch", "advise", "synchronize",
            "migrate"]

@@ -11,77 +11,11 @@ import warnings
 
 from . import _core, _cupy_compat, _cupy_hook, _numpy_hook, _vmm, backends
 from ._errors import UmpError, UmpWarning
-from ._probe import check_budget, check_device_index, probe
+from ._options import MIN_CAP, Options, check_device_index
+from ._probe import probe
+from ._version import pip_install
 
-__all__ = ["Options", "enable", "disable", "is_enabled", "enabled", "current", "State"]
-
-_PLACEMENTS = ("auto", "host", "migrate")
-#: The smallest cap: one chunk of the arena (csrc/arena.c, SLAB_MIN).
-MIN_CAP = 2 << 20
-_SYNCS = ("device", "stream")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """Options of :func:`enable` (pass them as keyword arguments).
-
-    Parameters
-    ----------
-    cap : int or float, optional
-        Most bytes the backend may hold, NumPy's and CuPy's side together
-        (with ``device``: the pinned arena and the VMM pool each): an
-        int is bytes (at least one chunk, 2 MiB), a float in (0, 1] a fraction
-        of the device's free memory at ``enable()`` (of the host's available
-        memory for ``host``). Default: the budget of docs/backends.md — the
-        device's free memory less ``headroom`` for memory the GPU holds
-        (``managed``, ``device``), and no more than three quarters of the
-        host's available memory for host memory (``pinned``, ``system``,
-        ``host``). Past it NumPy gets plain host memory; CuPy gets plain
-        device memory where the backend's memory is host memory (``pinned``,
-        ``system``), else raises :class:`ump.OutOfMemoryError`.
-    headroom : int, optional
-        Device memory left to the CUDA libraries and other processes (bytes);
-        default the larger of 512 MiB and 1/64 of the device's memory.
-    device : int
-        The CUDA device whose primary context and memory ump uses (0).
-    placement : {"auto", "host", "migrate"}
-        Where managed NumPy arrays live when handed to CuPy: ``"host"`` keeps
-        them in host memory, mapped by the GPU; ``"migrate"`` prefetches them
-        to the GPU at every hand-off; ``"auto"`` starts like ``"host"``,
-        migrates a block at its hand-offs once the GPU time spent on it over
-        the link exceeded what migrating it there and back would have cost,
-        and leaves on the GPU a block that CuPy keeps while the host reads a
-        little of it at each export (docs/backends.md).
-    prefetch_min : int
-        Blocks smaller than this (bytes, default 2 MiB) are never migrated.
-    sync : {"device", "stream"}
-        What a host export waits for: every kernel of the device (default;
-        CuPy does not record which stream wrote an array), or only the stream
-        passed to ``get(stream=...)``.
-    """
-
-    cap: int | float | None = None
-    headroom: int | None = None
-    device: int = 0
-    placement: str = "auto"
-    prefetch_min: int = 2 << 20
-    sync: str = "device"
-
-    def __post_init__(self):
-        if self.cap is not None:
-            check_budget("cap", self.cap, MIN_CAP, " (one chunk at least: a smaller cap would send every "
-                                                   "array to plain memory)")
-        hr = self.headroom
-        if hr is not None and (isinstance(hr, bool) or not isinstance(hr, int) or hr < 0):
-            raise ValueError(f"headroom must be a non-negative int (bytes), got {hr!r}")
-        check_device_index(self.device)
-        if self.placement not in _PLACEMENTS:
-            raise ValueError(f"placement must be one of {_PLACEMENTS}, got {self.placement!r}")
-        if self.sync not in _SYNCS:
-            raise ValueError(f"sync must be one of {_SYNCS}, got {self.sync!r}")
-        pm = self.prefetch_min
-        if isinstance(pm, bool) or not isinstance(pm, int) or pm < 0:
-            raise ValueError(f"prefetch_min must be a non-negative int (bytes), got {pm!r}")
+__all__ = ["enable", "disable", "is_enabled", "enabled", "current", "State"]
 
 
 @dataclasses.dataclass
@@ -254,7 +188,7 @@ def _import_cupy(chosen: backends.Backend):
     except Exception as err:
         if isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] == "cupy":
             raise UmpError(f"the {chosen.name} backend needs CuPy, which is not installed: "
-                           "pip install ump[cuda12] or ump[cuda13], matching the CUDA major version "
+                           f"{pip_install('cuda12', 'cuda13')}, matching the CUDA major version "
                            "of the driver") from err
         raise UmpError(f"the {chosen.name} backend needs CuPy, which failed to import: "
                        f"{type(err).__name__}: {err}") from err

@@ -13,6 +13,8 @@ import importlib.util
 import platform
 
 from ._errors import UmpError
+from ._options import check_device_index
+from ._version import pip_install
 
 __all__ = ["Capabilities", "DeviceInfo", "probe"]
 
@@ -140,7 +142,7 @@ def _cupy_version() -> str | None:
 
 # cuda-bindings is an extra, not a dependency: its major version must match
 # the CUDA driver's, which pip cannot see.
-CUDA_BINDINGS_MISSING = ("cuda-bindings is not installed: pip install ump[cuda12] or ump[cuda13], "
+CUDA_BINDINGS_MISSING = (f"cuda-bindings is not installed: {pip_install('cuda12', 'cuda13')}, "
                          "matching the CUDA major version of the driver")
 
 
@@ -232,27 +234,6 @@ def _probe_gpu() -> tuple[bool, str | None, tuple[DeviceInfo, ...], int | None]:
     if not devices:
         return False, "the CUDA driver reports no device", (), version
     return True, None, devices, version
-
-
-def check_device_index(device) -> int:
-    """``device`` if it is a non-negative int; else ValueError naming it."""
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise ValueError(f"device must be a non-negative int, got {device!r}")
-    return device
-
-
-def check_budget(name: str, value, minimum: int = 0, why: str = ""):
-    """``value`` if it is bytes (an int from ``minimum`` to 2**63) or a
-    fraction (a float in (0, 1]); else TypeError/ValueError naming ``name``.
-    The one check of ``enable(cap=...)`` and ``VMMPool(limit=...)``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be an int (bytes) or a float fraction, not {type(value).__name__}")
-    if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} as a fraction must be in (0, 1], got {value}")
-    if isinstance(value, int) and not minimum <= value < 1 << 63:
-        bounds = f"from {minimum} to 2**63" if minimum else "non-negative, below 2**63"
-        raise ValueError(f"{name} must be a number of bytes {bounds}, got {value}{why}")
-    return value
 
 
 def device_info(caps: Capabilities, device) -> DeviceInfo:

@@ -23,7 +23,8 @@ from . import _core
 from ._cupy_compat import out_of_memory_error
 from ._errors import OutOfMemoryError, UmpError
 from ._resource import Resource
-from ._probe import _call, check_budget, check_device_index, device_info, probe
+from ._options import check_budget, check_device_index
+from ._probe import _call, device_info, probe
 
 __all__ = ["VMMPool", "VMMStatistics", "GrowableBuffer", "MappedMemory", "ViewTimes", "pool_of"]
 

@@ -19,16 +19,18 @@ from __future__ import annotations
 import logging
 import threading
 
+from ._version import pip_install
+
 try:
     import click
     from distributed import WorkerPlugin
 except ImportError as err:  # pragma: no cover - depends on the environment
-    raise ImportError("ump.dask needs Dask's distributed scheduler: pip install 'ump[dask]'") from err
+    raise ImportError(f"ump.dask needs Dask's distributed scheduler: {pip_install('dask')}") from err
 
 from . import _enable, _numpy_hook, backends as _backends
-from ._launch import parse_size
+from ._options import TABLE, Options, resolve
 
-__all__ = ["UmpPlugin", "backends", "dask_setup", "parse_cap"]
+__all__ = ["UmpPlugin", "backends", "dask_setup"]
 
 logger = logging.getLogger("distributed.worker")
 
@@ -86,7 +88,7 @@ class UmpPlugin(WorkerPlugin):
     def __init__(self, backend: str = "auto", **options):
         if backend != "auto":
             _backends.get(backend)  # unknown names fail in the client
-        _enable.Options(**options)  # so do bad options
+        Options(**options)  # so do bad options
         self.backend = backend
         self.options = options
         self._setups = 0  # this instance's live setups (an instance may serve several workers)
@@ -157,50 +159,41 @@ def backends(client) -> dict:
     return client.run(_worker_backend)
 
 
-def parse_cap(text: str | int | float | None) -> int | float | None:
-    """A cap as written on a command line, as ``python -m ump run`` reads it:
-    ``"0.5"`` (a fraction of free memory), ``"8GiB"``, ``"8e9"`` or
-    ``"8000000000"`` (bytes).
+class _OptionType(click.ParamType):
+    """An option of the table as a click type: the text parsed and checked."""
 
-    Raises
-    ------
-    ValueError
-        Text that is neither a fraction in (0, 1] nor an amount of bytes.
-    """
-    if text is None or isinstance(text, (int, float)):
-        return text
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise ValueError(f"--ump-cap: {err}") from None
+    def __init__(self, option):
+        self.option = option
+        self.name = option.metavar
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        try:
+            return self.option.check(self.option.name, self.option.parse(value))
+        except (ValueError, TypeError) as err:
+            self.fail(str(err), param, ctx)
 
 
-def _options_from_cli(cap, device, placement, prefetch_min, sync) -> dict:
-    options = {"device": device, "placement": placement, "sync": sync}
-    if cap is not None:
-        options["cap"] = parse_cap(cap)
-    if prefetch_min is not None:
-        options["prefetch_min"] = parse_size(prefetch_min)
-    return options
+def _with_options(command):
+    """``--ump-NAME`` for every option of the table. Values not given come
+    from the ``UMP_*`` variables, read as ``python -m ump run`` reads them."""
+    for option in reversed(TABLE.values()):
+        kind = click.Choice(option.choices) if option.choices else _OptionType(option)
+        command = click.option(option.flag("--ump-"), option.name, type=kind, default=None,
+                               help=option.describe())(command)
+    return command
+
+
+def _plugin(**flags) -> UmpPlugin:
+    """The plugin the preload installs, for its flags over the environment."""
+    backend, options = resolve(flags)
+    return UmpPlugin(backend, **options)
 
 
 @click.command()
-@click.option("--ump-backend", envvar="UMP_BACKEND", default="auto", show_default=True,
-              type=click.Choice(("auto",) + _backends.names()),
-              help="ump backend of each worker (env UMP_BACKEND)")
-@click.option("--ump-cap", envvar="UMP_CAP", default=None,
-              help="most memory ump may hold per worker: a fraction of free device memory "
-                   "(0.5) or bytes (8GiB) (env UMP_CAP; default: ump's)")
-@click.option("--ump-device", envvar="UMP_DEVICE", default=0, type=int, show_default=True,
-              help="CUDA device, counted among those the worker sees (dask-cuda gives each "
-                   "worker its GPU as device 0)")
-@click.option("--ump-placement", envvar="UMP_PLACEMENT", default="auto", show_default=True,
-              type=click.Choice(_enable._PLACEMENTS), help="placement of managed NumPy arrays")
-@click.option("--ump-prefetch-min", envvar="UMP_PREFETCH_MIN", default=None,
-              help="smallest block ever migrated, e.g. 2MiB")
-@click.option("--ump-sync", envvar="UMP_SYNC", default="device", show_default=True,
-              type=click.Choice(_enable._SYNCS), help="what a host export waits for")
-async def dask_setup(worker, ump_backend, ump_cap, ump_device, ump_placement, ump_prefetch_min, ump_sync):
+@_with_options
+async def dask_setup(worker, **flags):
     """Preload entry point: enable ump as the worker starts.
 
     Only workers enable ump: given to a scheduler or a nanny
@@ -211,9 +204,6 @@ async def dask_setup(worker, ump_backend, ump_cap, ump_device, ump_placement, um
     if not isinstance(worker, Worker):
         logger.info("ump.dask preload: %s is not a worker, nothing to do", type(worker).__name__)
         return
-    options = _options_from_cli(ump_cap, ump_device, ump_placement, ump_prefetch_min, ump_sync)
-    plugin = UmpPlugin(ump_backend, **options)
     # The same plugin as client.register_plugin installs: one way to enable,
     # and re-registering from a client replaces it under the same name.
-    await worker.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
-
+    await worker.plugin_add(_plugin(**flags), name=PLUGIN_NAME, catch_errors=False)

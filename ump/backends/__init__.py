@@ -11,7 +11,8 @@ import dataclasses
 import os
 
 from .._errors import BackendUnavailableError
-from .._probe import Capabilities, DeviceInfo, check_device_index, device_info
+from .._options import BACKENDS, check_device_index
+from .._probe import Capabilities, DeviceInfo, device_info
 
 __all__ = ["Backend", "AUTO_ORDER", "HOST_SHARE", "default_headroom", "host_available_bytes", "get", "select", "names"]
 
@@ -115,7 +116,8 @@ from .pinned import PINNED  # noqa: E402
 from .system import SYSTEM  # noqa: E402
 from .device import DEVICE  # noqa: E402
 
-_ALL = {b.name: b for b in (SYSTEM, MANAGED, PINNED, DEVICE, HOST)}
+# One module per backend, named after it; the option table holds the names.
+_ALL = {name: globals()[name.upper()] for name in BACKENDS}
 #: The order ``backend="auto"`` tries on a machine with a GPU.
 AUTO_ORDER = ("system", "managed", "pinned")
 

@@ -19,13 +19,17 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 from .. import _probe, backends
+from .._version import pip_install
 from . import programs
-from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, NEEDS, ON_REQUEST
+from . import progress as _progress
+from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, ON_REQUEST
+
+#: Suites that need a package beyond CuPy: suite -> (module, how to install it).
+NEEDS = {"dask": ("distributed", pip_install("dask"))}
 
 #: The suite that runs programs as they are, not cases in a worker.
 PROGRAMS = "programs"
@@ -52,7 +56,7 @@ def _gpu_missing(caps) -> str | None:
     if not caps.gpu:
         return f"no GPU ({caps.reason})"
     if caps.cupy_version is None:
-        return "CuPy is not installed (pip install ump[cuda12] or ump[cuda13])"
+        return f"CuPy is not installed ({pip_install('cuda12', 'cuda13')})"
     return None
 
 
@@ -169,11 +173,12 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     raw, skipped = {}, {}
     t_start = time.perf_counter()
     steps = [(r, c) for r in range(rounds) for c in configs] if suites else []
+    shown = _progress.Progress([(c, s) for _, c in steps for s in _progress.suites_in(c, suites, CONFIG_FREE)],
+                               progress)
     for i, (r, config) in enumerate(steps, 1):
-        print(f"[{i}/{len(steps)}] round {r + 1}/{rounds} {config}: {', '.join(suites)} "
-              f"({time.perf_counter() - t_start:.0f} s so far)", file=progress, flush=True)
-        proc = subprocess.run(_worker(config, suites, smoke), capture_output=True, text=True,
-                              env=dict(os.environ))
+        shown.say(f"[{i}/{len(steps)}] round {r + 1}/{rounds} {config}: {', '.join(suites)} "
+                  f"({time.perf_counter() - t_start:.0f} s so far)")
+        proc = _progress.run_worker(_worker(config, suites, smoke), config, shown, env=dict(os.environ))
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark configuration {config!r} failed:\n{proc.stderr[-4000:]}")
         timings = json.loads(proc.stdout)
@@ -196,6 +201,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
             entry["round_cpu"].append(statistics.median(timing["cpu"]))
             if timing["gpu"]:
                 entry["round_gpu"].append(statistics.median(timing["gpu"]))
+    shown.close()
     results = {}
     for case, per in raw.items():
         results[case] = {"suite": per.pop("suite")}
@@ -285,6 +291,10 @@ def compare(old, new, threshold=1.25, floor_us=1.0) -> list[str]:
     return found
 
 
+#: The interop suite's operations, a panel each in the plot.
+INTEROP_OPS = ("asarray", "asnumpy", "roundtrip")
+
+
 def plot(report, path) -> bool:
     try:
         import matplotlib
@@ -293,8 +303,11 @@ def plot(report, path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for op in ("asarray", "asnumpy", "roundtrip"):
+    ops = [op for op in INTEROP_OPS if any(case.startswith(op + " ") for case in report["results"])]
+    # One panel per operation: every configuration's line of one operation
+    # side by side, each in its own colour.
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 4.2), squeeze=False)
+    for ax, op in zip(axes[0], ops):
         for config in report["configs"]:
             xs, ys = [], []
             for case, per in report["results"].items():
@@ -302,13 +315,14 @@ def plot(report, path) -> bool:
                     xs.append(int(case.split()[1].removesuffix("MiB")))
                     ys.append(_time_of(per[config])["median"])
             if xs:
-                ax.plot(xs, ys, marker="o", label=f"{op} [{config}]")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("array size (MiB)")
-    ax.set_ylabel("time (µs, median)")
-    ax.set_title("NumPy ↔ CuPy conversion time")
-    ax.legend(fontsize=6, ncol=2)
+                ax.plot(xs, ys, marker="o", label=config)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("array size (MiB)")
+        ax.set_title(op)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("time (µs, median)")
+    fig.suptitle("NumPy ↔ CuPy conversion time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -331,7 +345,7 @@ def _load(option: str, path: str) -> dict:
 
 
 def _has_interop_cases(report) -> bool:
-    return any(case.split()[0] in ("asarray", "asnumpy", "roundtrip") for case in report["results"])
+    return any(case.split()[0] in INTEROP_OPS for case in report["results"])
 
 
 def main(args) -> int:
@@ -374,7 +388,7 @@ def main(args) -> int:
                     print(f"plot: {args.plot}")
                 else:
                     print(f"plot not written ({args.plot}): matplotlib is not installed "
-                          "(pip install ump[bench])", file=sys.stderr)
+                          f"({pip_install('bench')})", file=sys.stderr)
     if args.compare:
         slow = compare(old, report, threshold=args.threshold)
         for line in slow:

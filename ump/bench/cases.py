@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -861,7 +862,5 @@ GPU_SUITES = {"alloc_cupy": alloc_cupy, "dispatch": dispatch, "interop": interop
 #: Suites whose cases do not depend on the configuration: run once, in "imported"
 #: (they measure ump's own pools and moves).
 CONFIG_FREE = {"moves", "pools", "vmm", "dask"}
-#: Suites that need a package beyond CuPy: suite -> (module, how to install it).
-NEEDS = {"dask": ("distributed", "pip install ump[dask]")}
 #: Suites a run of every suite leaves out, and why.
 ON_REQUEST = {"dask": "a 16 GiB workflow on 1 and 2 GPUs, several minutes"}

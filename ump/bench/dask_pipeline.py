@@ -59,7 +59,7 @@ import time
 import numpy as np
 
 from .. import dask as ump_dask  # first: without distributed, its ImportError says what to install
-from .._launch import parse_size
+from .._options import parse_size
 from ..backends import default_headroom
 from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 

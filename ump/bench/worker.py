@@ -11,10 +11,11 @@ def main(argv):
     config, suites, smoke = argv[0], argv[1].split(","), argv[2] == "1"
     backend, _, placement = config.partition(":")
     if backend == "stock":
-        # Started by path (python .../worker.py): the cases module is read
-        # from this folder, and the package ump is never imported.
+        # Started by path (python .../worker.py): the cases are read from
+        # this folder, and the package ump is never imported.
         os.environ.pop("CUPY_ENABLE_UMP", None)
         import cases
+        import progress
     else:
         if backend == "imported":
             os.environ.pop("CUPY_ENABLE_UMP", None)
@@ -25,15 +26,15 @@ def main(argv):
             os.environ["CUPY_ENABLE_UMP"] = "1"
             options = {"placement": placement} if placement else {}
             ump.enable(backend, **options)
-        from ump.bench import cases
+        from ump.bench import cases, progress
 
     results = {"__process__": {"ump_imported": "ump" in sys.modules}}
-    for suite in suites:
-        if suite in cases.CONFIG_FREE and backend != "imported":
-            continue  # ump's own pools and moves: once, where ump is imported and not enabled
+    for suite in progress.suites_in(config, suites, cases.CONFIG_FREE):
         fn = {**cases.CPU_SUITES, **cases.GPU_SUITES}[suite]
+        progress.report("start", suite)
         for case, timing in fn(smoke).items():
             results[case] = {"suite": suite, **timing}
+        progress.report("done", suite)
     json.dump(results, sys.stdout)
 
 
