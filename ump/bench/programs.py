@@ -114,7 +114,7 @@ def _missing(program: Program, gpus: int) -> str | None:
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed"
     if program.gpus > gpus:
-        return f"needs {program.gpus} GPUs"
+        return f"needs {program.gpus} GPU{'s' * (program.gpus > 1)}, this machine has {gpus}"
     return None
 
 
