@@ -1,5 +1,8 @@
 # Sourced at the start of each device call: install the carried wheels and
 # build the C extension in place. Usage: . tools/device_setup.sh
+# .whl/ holds numpy_allocator and setuptools>=77 (pyproject.toml's license is
+# a PEP 639 expression, which older setuptools refuse), downloaded with the
+# pip command of the device's README.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD
 export CUPY_ENABLE_UMP=1 PYTHONUNBUFFERED=1
