@@ -818,3 +818,18 @@ def test_a_result_read_once_goes_back_to_its_gpu_at_the_next_allocation(moves, a
     policy.on_result_export(BASE + 8 * GiB, GiB, BASE + 8 * GiB, BASE + 9 * GiB, 0, 0.01)
     policy.on_block_freed(BASE + 8 * GiB)  # back to the arena
     assert not policy.returning
+
+
+def test_a_block_moved_between_reads_and_handed_over_anew_is_weighed_again(moves):
+    """CuPy's cg example makes a new matrix for each of its trials, often
+    in the same block: the host wrote it since the last move, so the new
+    hand-off is weighed like the first, not taken as still on the GPU."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    held = [0]
+    for trial in range(3):
+        lease = FakeLease(held)
+        policy.on_handoff("managed", BASE, GiB, lease)
+        assert (BASE, GiB) in policy.pending
+        _sync(policy, cupy, 0.3)
+        assert moves == [(GiB, 0)] * (trial + 1)

@@ -273,8 +273,10 @@ class Placement:
                     self.blocks.clear()
                 state = self.blocks[(base, size)] = BlockState()
         with state.lock:
-            self._handoff(state, base, size)
-            self._follow(state, base, size, lease)
+            moved = self._handoff(state, base, size)
+            # A block not moved now is weighed from here, wherever an earlier
+            # hand-off's move left it (the host may have written it since).
+            self._follow(state, base, size, None if moved else lease)
 
     def _follow(self, state: BlockState, base: int, size: int, lease) -> None:
         """Weigh a host-resident block at the waits to come (auto only)."""
@@ -282,7 +284,7 @@ class Placement:
         with self._lock:
             self.pending.pop(key, None)
             self.uploads.discard(key)
-            if self.mode != "auto" or state.on_gpu is not None or lease is None:
+            if self.mode != "auto" or lease is None:
                 self._unwatch()
                 return
             state.device = self.cupy.cuda.runtime.getDevice()
@@ -296,7 +298,8 @@ class Placement:
                 state.hold_checks = HOLD_CHECKS
                 self.uploads.add(key)
 
-    def _handoff(self, state: BlockState, base: int, size: int) -> None:
+    def _handoff(self, state: BlockState, base: int, size: int) -> bool:
+        """Whether the block moves to the GPU at this hand-off."""
         if state.peeked and state.exports < 2:
             # The loop since the last hand-off was a round trip, not a peek
             # loop: the host may have read the block whole (faulting it
@@ -311,8 +314,9 @@ class Placement:
             self._to_gpu(state, base, size, cuda.get_current_stream())
             if state.heavy and not state.peeked and state.on_gpu is not None:
                 self._start(state)  # after the prefetch: the kernels alone are timed
-        else:
-            self._start(state)
+            return state.on_gpu is not None
+        self._start(state)
+        return False
 
     def _start(self, state: BlockState) -> None:
         """Record the event the next export measures from, on the current
