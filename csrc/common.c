@@ -2,7 +2,7 @@
  * common.c - what every unit of the C core shares: the last status and the
  * names of ump's own statuses, fault injection, and fork.
  *
- * It calls no other unit: arena.c, cuda.c and vmm.c build on it.
+ * It calls no other unit: every other unit builds on it.
  */
 #define _GNU_SOURCE
 #include "internal.h"
@@ -29,7 +29,6 @@ int ump__os_status(int err)
     last_os_error = err;
     return UMP_ERR_OS;
 }
-int ump_abi_version(void) { return UMP_ABI_VERSION; }
 
 const char *ump__status_name(int status)
 {

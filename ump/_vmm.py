@@ -428,7 +428,7 @@ class VMMPool:
         view = view.value
         nbytes = size if nbytes is None else nbytes
         try:
-            base, mapped, times = _core.vmm_view(self.id, view)
+            base, mapped, kind, times = _core.vmm_view(self.id, view)
             ptr = base if alias is None else alias.value
             # Arrays over the view span nbytes from ptr: never past what C
             # mapped, whatever a caller or a peer claimed.

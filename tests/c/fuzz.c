@@ -263,7 +263,7 @@ static void remember(int slot, int id, int kind)
 {
     uintptr_t va;
     uint64_t size;
-    CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL) == UMP_OK && size > 0);
+    CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL, NULL) == UMP_OK && size > 0);
     view[slot] = (view_t){id, kind, va, size, (unsigned char)(1 + below(250))};
     stamp(va, size, view[slot].tag);
 }
@@ -331,7 +331,7 @@ static void op_view(void)
         if (s == UMP_OK) { /* the alias reaches no further than the view */
             uintptr_t va;
             uint64_t size;
-            CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL) == UMP_OK);
+            CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL, NULL) == UMP_OK);
             CHECK(alias >= va && alias < va + size);
             CHECK(ump_vmm_view_destroy(pool, id) == UMP_OK); /* the block may be freed next */
             counts[5]++;
@@ -351,7 +351,7 @@ static void op_view(void)
         }
         uintptr_t va;
         uint64_t size, claim;
-        CHECK(ump_vmm_view_info(pool, sh, &va, &size, NULL) == UMP_OK);
+        CHECK(ump_vmm_view_info(pool, sh, &va, &size, NULL, NULL) == UMP_OK);
         claim = size;
         int peer = hostile_fd(fd, &claim);
         s = ump_vmm_import(pool, peer, claim, (int)below(2), &id);
@@ -360,7 +360,7 @@ static void op_view(void)
         close(fd);
         if (s == UMP_OK) {
             CHECK(claim == size);
-            CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL) == UMP_OK && size == claim);
+            CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL, NULL) == UMP_OK && size == claim);
         } else {
             CHECK((s == UMP_ERR_HANDLE || s == UMP_ERR_ARG || s == UMP_ERR_INJECTED || s == UMP_ERR_OS ||
                    s == CUDA_ERROR_OUT_OF_MEMORY) && id == -1);
