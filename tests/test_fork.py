@@ -87,12 +87,15 @@ def test_a_cupy_hook_uninstalled_without_cuda_only_puts_cupy_back():
     # advice, the wait for the device, the pool's frees.
     from ump._cupy_hook import CupyHook
 
+    from ump._cupy_alloc import CupyAllocator
+
     calls = []
     hook = object.__new__(CupyHook)
-    hook.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+    hook.allocator = object.__new__(CupyAllocator)
+    hook.allocator.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         set_allocator=lambda allocator: calls.append(f"set_allocator({allocator})")))
-    hook._saved_allocator = "CuPy's allocator"
-    hook._patches = types.SimpleNamespace(restore=lambda: calls.append("patches restored"))
+    hook.allocator.saved = "CuPy's allocator"
+    hook.patches = types.SimpleNamespace(restore=lambda: calls.append("patches restored"))
     hook.placement = types.SimpleNamespace(close=lambda: calls.append("placement closed"))
     hook.release = types.SimpleNamespace(wait_for=lambda: calls.append("device waited for"))
     hook.pool = types.SimpleNamespace(free_all_blocks=lambda: calls.append("pool freed"))

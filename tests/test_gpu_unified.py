@@ -628,7 +628,7 @@ def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_ca
     del g
     assert mapped == [False] + [True] * 5, mapped  # and the faster lives kept it there
     assert _range_attribute(base, size, "PreferredLocation") == -1  # host, in the driver's view
-    assert cupy.cuda.get_allocator() == hook._watched_malloc
+    assert cupy.cuda.get_allocator() == hook.allocator.watched_malloc
 
     other = cupy.empty(n // 2, dtype=cupy.float32)  # CuPy's pool splits the free block
     assert base <= other.data.ptr < base + size
@@ -646,7 +646,7 @@ def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_ca
     ump.disable()
     assert _range_attribute(base2, size2, "PreferredLocation") == -2
     assert _range_attribute(base2, size2, "LastPrefetchLocation") == 0
-    assert cupy.cuda.get_allocator() == hook._saved_allocator
+    assert cupy.cuda.get_allocator() == hook.allocator.saved
     keep[:] = 2  # an array from before disable() keeps working
     assert float(keep.sum()) == 2.0 * keep.size
 

@@ -111,22 +111,12 @@ def test_random_hostile_calls_under_asan_and_ubsan(tmp_path):
     assert out.startswith("fuzz seed: ") and f"fuzz: {FUZZ_OPS} ops" in out
 
 
-def _stub_driver(tmp_path):
-    """tests/c/stub_cuda.c as a shared library ump_cuda_load() accepts."""
-    lib = tmp_path / "libcuda_stub.so"
-    proc = subprocess.run([CC, "-shared", "-fPIC", "-O1", str(ROOT / "tests" / "c" / "stub_cuda.c"),
-                           "-o", str(lib)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(proc.stderr)
-    return lib
-
-
 # enable() sets ump's context and device while NumPy allocates on other
 # threads, whose provider calls push that context and advise that device:
 # written and read as plain globals, TSan reported the race at once.
-def test_context_changed_under_provider_calls_under_tsan(tmp_path):
+def test_context_changed_under_provider_calls_under_tsan(tmp_path, stub_cuda):
     exe = _build(tmp_path, "ctx_race", TSAN)
-    out = _run(exe, 2000, {**TSAN_ENV, "UMP_TEST_LIBCUDA": str(_stub_driver(tmp_path))})
+    out = _run(exe, 2000, {**TSAN_ENV, "UMP_TEST_LIBCUDA": str(stub_cuda)})
     assert "2000 rounds" in out
 
 

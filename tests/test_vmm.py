@@ -473,30 +473,3 @@ def test_a_forked_child_cannot_allocate_from_its_parents_emulated_pool(pool):
     b = pool.allocate(4096)
     assert b == a  # the parent's pool is as it was
     pool.deallocate(b)
-
-
-def test_a_pool_that_fails_to_open_releases_the_primary_context(monkeypatch):
-    """VMMPool retains its device's primary context; a bad limit or a full
-    pool table must not leave it retained. Driver and probe are faked, so
-    this runs without a GPU."""
-    driver = pytest.importorskip("cuda.bindings.driver")
-    from ump import _vmm
-
-    ok = driver.CUresult.CUDA_SUCCESS
-    held = []
-    gpu = types.SimpleNamespace(name="fake GPU", vmm_supported=True, total_memory=16 << 30)
-    monkeypatch.setattr(_vmm, "probe", lambda: types.SimpleNamespace(gpu=True, reason="", devices=[gpu]))
-    monkeypatch.setattr(_core, "cuda_load", lambda *args: 0)
-    monkeypatch.setattr(driver, "cuDeviceGet", lambda i: (ok, i))
-    monkeypatch.setattr(driver, "cuDevicePrimaryCtxRetain", lambda d: (held.append(d), (ok, 0x1000))[1])
-    monkeypatch.setattr(driver, "cuDevicePrimaryCtxRelease", lambda d: (held.remove(d), (ok,))[1])
-    with pytest.raises(ValueError, match="fraction"):
-        VMMPool(0, limit=1.5)
-    with pytest.raises(ValueError, match="limit"):
-        VMMPool(0, limit=-1)
-    assert held == []
-    # the C side refuses (a 17th pool): nothing real is created with the fake context
-    monkeypatch.setattr(_core, "vmm_create", lambda *args: _core.ERR_ARG)
-    with pytest.raises(ump.UmpError, match=f"at most {_core.MAX_POOLS} pools"):
-        VMMPool(0)
-    assert held == []
