@@ -44,6 +44,7 @@ const char *ump__status_name(int status)
 
 static int64_t inject_after, inject_count;
 static uint32_t inject_delay_us;
+static int inject_signal_fd = -1;
 static int inject_status = UMP_ERR_INJECTED;
 
 void ump_fault_status(int status)
@@ -52,6 +53,8 @@ void ump_fault_status(int status)
 }
 
 void ump_fault_delay(uint32_t usec) { __atomic_store_n(&inject_delay_us, usec, __ATOMIC_RELAXED); }
+
+void ump_fault_signal(int fd) { __atomic_store_n(&inject_signal_fd, fd, __ATOMIC_RELEASE); }
 
 void ump_fault_inject(int64_t after, int64_t count)
 {
@@ -63,6 +66,12 @@ void ump_fault_inject(int64_t after, int64_t count)
 
 static int injected(void)
 {
+    int fd = __atomic_exchange_n(&inject_signal_fd, -1, __ATOMIC_ACQ_REL);
+    if (fd >= 0) {
+        char reached = 1;
+        while (write(fd, &reached, 1) < 0 && errno == EINTR)
+            ;
+    }
     uint32_t delay = __atomic_load_n(&inject_delay_us, __ATOMIC_RELAXED);
     if (delay)
         usleep(delay);

@@ -316,6 +316,10 @@ void ump_fault_status(int status);
 /* Sleep `usec` at every fault-injection point, which in a VMM pool lies
  * under the pool's lock: tests hold a lock open with it. 0: no delay. */
 void ump_fault_delay(uint32_t usec);
+/* Write one byte to fd (a pipe's write end) at the next fault-injection
+ * point reached, then forget fd: a test learns that a call got there, under
+ * whatever lock it holds at that point. -1: none. */
+void ump_fault_signal(int fd);
 int ump_is_forked_child(void);
 
 #ifdef __cplusplus

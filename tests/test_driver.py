@@ -129,14 +129,15 @@ try:
     ump.enable("pinned")
 except ump.UmpError as err:
     caught = [err.message, err.cuda_error, str(err), type(err.__cause__).__name__]
-print(json.dumps([caught, ump.is_enabled(), _devices._contexts, retained(0)]))
+print(json.dumps([caught, ump.is_enabled(), _devices._contexts, retained(0), "cuda" in sys.modules]))
 """, tmp_path, STUB_CUDA_FULL="1")
-    (message, cuda_error, text, cause), enabled, contexts, held = result(proc)
+    (message, cuda_error, text, cause), enabled, contexts, held, bindings = result(proc)
     assert message.startswith("setting up the CUDA context of device 0: the GPU has no room")
     assert "cuDevicePrimaryCtxRetain failed" in message
     assert cuda_error == "CUDA_ERROR_OUT_OF_MEMORY" and text.endswith("(CUDA_ERROR_OUT_OF_MEMORY)")
     assert cause == "OutOfMemoryError"  # the C status, mapped by the one table
     assert (enabled, contexts, held) == (False, {}, 0)
+    assert not bindings  # the probe, the driver's loading and the context: no cuda-bindings
 
 
 def test_the_launcher_reports_a_failing_driver_in_one_line(stub_cuda, tmp_path):

@@ -3,8 +3,9 @@ ThreadSanitizer, driven by the programs in tests/c/: stress.c (8 threads, over
 a million operations), arena_race.c (the arenas' lock-free paths against
 trim, double frees and fault injection), pool_race.c (VMM pools destroyed
 while other threads use them), ctx_race.c (ump's CUDA context changed
-under provider calls, through stub_cuda.c) and fuzz.c (random calls with
-hostile arguments, checked against a model)."""
+under provider calls, through stub_cuda.c), probe.c (the devices' calls,
+through stub_cuda.c) and fuzz.c (random calls with hostile arguments,
+checked against a model)."""
 
 from __future__ import annotations
 
@@ -118,6 +119,19 @@ def test_context_changed_under_provider_calls_under_tsan(tmp_path, stub_cuda):
     exe = _build(tmp_path, "ctx_race", TSAN)
     out = _run(exe, 2000, {**TSAN_ENV, "UMP_TEST_LIBCUDA": str(stub_cuda)})
     assert "2000 rounds" in out
+
+
+# The probe, primary contexts, free memory and peers through the driver table,
+# with no driver and then with the stub: every call checked, every retain
+# released, from four threads at once.
+def test_device_calls_under_asan_and_ubsan(tmp_path, stub_cuda):
+    out = _run(_build(tmp_path, "probe", ASAN), 1000, {**ASAN_ENV, "UMP_TEST_LIBCUDA": str(stub_cuda)})
+    assert "1000 rounds x 4 threads" in out
+
+
+def test_device_calls_under_tsan(tmp_path, stub_cuda):
+    out = _run(_build(tmp_path, "probe", TSAN), 500, {**TSAN_ENV, "UMP_TEST_LIBCUDA": str(stub_cuda)})
+    assert "500 rounds x 4 threads" in out
 
 
 def test_extension_in_python_under_valgrind():

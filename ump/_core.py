@@ -240,6 +240,7 @@ fault_inject = declare("ump_fault_inject", None, _integer("after", ctypes.c_int6
                        _integer("count", ctypes.c_int64))
 fault_status = declare("ump_fault_status", None, number("status"))
 fault_delay = declare("ump_fault_delay", None, _integer("usec", ctypes.c_uint32))
+fault_signal = declare("ump_fault_signal", None, number("fd", lo=-1))
 is_forked_child = declare("ump_is_forked_child", _int)
 
 _pool, _view, _buf = number("pool"), number("view"), number("buffer")

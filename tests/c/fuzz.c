@@ -297,17 +297,23 @@ static int hostile_fd(int good, uint64_t *claim)
     }
 }
 
+/* Close one view, if the slot picked holds one; a second close is refused. */
+static void view_close_one(void)
+{
+    view_t *v = &view[below(NVIEW)];
+    if (v->id >= 0) {
+        seen(v->va, v->size, v->tag);
+        CHECK(ump_vmm_view_destroy(pool, v->id) == UMP_OK);
+        CHECK(ump_vmm_view_destroy(pool, v->id) == UMP_ERR_ARG);
+        v->id = -1;
+    }
+}
+
 static void op_view(void)
 {
     int slot = view_slot(), id = -1, s;
-    if (slot < 0 || below(3) == 0) { /* close one */
-        view_t *v = &view[below(NVIEW)];
-        if (v->id >= 0) {
-            seen(v->va, v->size, v->tag);
-            CHECK(ump_vmm_view_destroy(pool, v->id) == UMP_OK);
-            CHECK(ump_vmm_view_destroy(pool, v->id) == UMP_ERR_ARG);
-            v->id = -1;
-        }
+    if (slot < 0 || below(3) == 0) {
+        view_close_one();
         return;
     }
     uint64_t n = below(2) ? GRAN * (1 + below(3)) : hostile_size();
