@@ -194,3 +194,18 @@ print(json.dumps([caps.gpu, caps.reason, len(caps.devices)]))
     gpu, reason, n = result(proc)
     assert (gpu, n) == (bool(devices), devices)
     assert reason == (None if devices else "the CUDA driver reports no device")
+
+
+def test_the_probe_without_a_driver_library_says_so(tmp_path):
+    """Where libcuda.so.1 cannot be opened (here: a path with none), the
+    probe reports no GPU, with why, and raises nothing."""
+    code = """
+import json
+from ump import _core, _driver, _probe
+_probe._bindings_missing = lambda: None
+_driver.load = lambda: _core.check(_core._cuda_load(b"/nonexistent/libcuda.so.1"), "loading libcuda")
+caps = _probe.probe()
+print(json.dumps([caps.gpu, caps.reason, caps.devices, caps.driver_version]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result(proc) == [False, "no CUDA driver: libcuda.so.1 could not be opened", [], None]

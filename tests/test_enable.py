@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -275,8 +274,6 @@ def test_default_budgets_follow_where_memory_lives(monkeypatch):
 
 
 def test_no_room_for_a_budget_is_a_clear_error(cpu_only, monkeypatch):
-    from ump import backends
-
     monkeypatch.setattr(_probe, "host_available_bytes", lambda: 1 << 20)
     with pytest.raises(ump.UmpError, match="no room for the host backend's budget: the host has 1048576"):
         ump.enable()

@@ -23,7 +23,7 @@ import ump
 import ump.share
 from _fork import fork, wait
 from _pools import emulated_pool
-from ump import _core, _share, _vmm
+from ump import _core, _vmm
 from ump._vmm import VMMPool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and SCM_RIGHTS are Linux's")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-import types
 
 import pytest
 

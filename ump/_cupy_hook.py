@@ -29,7 +29,6 @@ do then, and exports to GPU libraries wait for nothing.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy

@@ -198,8 +198,8 @@ def _probe_gpu() -> tuple[bool, str | None, tuple[DeviceInfo, ...], int | None]:
 
     try:
         _driver.load()
-    except UmpError as err:
-        return False, f"no CUDA driver: {err}", (), None
+    except UmpError:
+        return False, "no CUDA driver: libcuda.so.1 could not be opened", (), None
     try:
         version, count = _driver.device_count()
     except UmpError as err:

@@ -19,8 +19,10 @@ from .system import SYSTEM
 
 __all__ = ["Backend", "AUTO_ORDER", "HOST_SHARE", "default_headroom", "host_available_bytes", "get", "select", "names"]
 
-# One module per backend, named after it; the option table holds the names.
-_ALL = {name: globals()[name.upper()] for name in BACKENDS}
+# One module per backend, named after it; the option table holds the names
+# and their order.
+_BY_NAME = {b.name: b for b in (SYSTEM, MANAGED, PINNED, DEVICE, HOST)}
+_ALL = {name: _BY_NAME[name] for name in BACKENDS}
 #: The order ``backend="auto"`` tries on a machine with a GPU.
 AUTO_ORDER = ("system", "managed", "pinned")
 

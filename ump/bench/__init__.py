@@ -14,7 +14,6 @@ people's programs unedited, each run a process of its own.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
