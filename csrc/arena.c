@@ -12,7 +12,7 @@
  * mutex. The allocation path takes only the arena mutex (or, through a thread
  * cache, none); provider calls are made with no lock held.
  */
-#include "arena.h"
+#include "arenas.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -15,7 +15,7 @@
  * granule counts the live blocks touching it, and each handle the granules
  * of it that are touched, so scavenging finds idle handles without a scan.
  */
-#include "pool.h"
+#include "pools.h"
 
 #include <stdlib.h>
 #include <string.h>

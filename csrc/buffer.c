@@ -3,7 +3,7 @@
  * front, so a buffer grows and shrinks in place and its address never
  * changes. A shrinking buffer unmaps only handles wholly past its new end.
  */
-#include "pool.h"
+#include "pools.h"
 
 static region_t *buffer_get(pool_t *p, int buf)
 {

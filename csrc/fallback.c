@@ -10,7 +10,7 @@
  * calloc does. posix_memalign + memset would commit all of it at once
  * (np.zeros of 2 GiB: a second and 2 GiB of RSS).
  */
-#include "arena.h"
+#include "arenas.h"
 
 #include <stdlib.h>
 #include <string.h>

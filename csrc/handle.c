@@ -16,7 +16,7 @@
  * mapped from the cache takes a few more cached handles behind it under the
  * same set-access.
  */
-#include "pool.h"
+#include "pools.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -7,7 +7,7 @@
  * pointer that is none of these is counted and left alone, never handed to
  * a free() that did not allocate it.
  */
-#include "arena.h"
+#include "arenas.h"
 
 #include <string.h>
 

@@ -6,7 +6,7 @@
  * usable: every device of the pool keeps access). A handle an alias maps
  * too stays where it is: the alias would keep the old memory.
  */
-#include "pool.h"
+#include "pools.h"
 
 /* Moving a handle to another device keeps its virtual address: create a
  * handle there, map it at a scratch reservation, copy, then swap the

@@ -11,7 +11,7 @@
  * (scavenging, trim, shrinking a buffer, migration, closing a view or the
  * pool) first waits for every device granted access.
  */
-#include "pool.h"
+#include "pools.h"
 
 #include <stdlib.h>
 #include <string.h>

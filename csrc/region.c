@@ -3,7 +3,7 @@
  * view has a reservation of its own and a granule map of what is mapped
  * there (8 bytes per granule of host memory, for as long as it lives).
  */
-#include "pool.h"
+#include "pools.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -4,7 +4,7 @@
  * free go through it, so a pointer ump did not allocate, or a block freed
  * twice, is recognised without reading memory around it.
  */
-#include "arena.h"
+#include "arenas.h"
 
 #include <stdlib.h>
 #include <string.h>

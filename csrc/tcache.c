@@ -17,7 +17,7 @@
  * per-thread counters (the fast path writes nothing shared) that a flush
  * folds into the arena's.
  */
-#include "arena.h"
+#include "arenas.h"
 
 #include <string.h>
 

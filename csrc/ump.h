@@ -156,7 +156,7 @@ int ump_arena_trim(int arena);
 int ump_arena_stats(int arena, ump_stats_t *out);
 int ump_fallback_stats(ump_stats_t *out);
 
-/* --- VMM device pools (pool.c, and the units pool.h lists) ---------------- */
+/* --- VMM device pools (pool.c, and the units pools.h lists) --------------- */
 /* A pool's statistics (ump_vmm_stats). */
 #define UMP_VMM_STATS_FIELDS(X)                                                   \
     X(used_bytes) X(peak_used_bytes) X(total_bytes) /* blocks handed out */       \

@@ -15,7 +15,7 @@
  * after the view releases its handle: the driver (or the kernel, for a memfd)
  * frees it when the last process lets go.
  */
-#include "pool.h"
+#include "pools.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -1,5 +1,5 @@
 /*
- * pool.h - the VMM device pools' own parts, which the units of a pool share:
+ * pools.h - the VMM device pools' own parts, which the units of a pool share:
  *
  *   phys.c      physical memory: the driver, or its emulation (phys.h)
  *   handle.c    physical handles: where each is mapped, the cache of unmapped
@@ -15,8 +15,8 @@
  *
  * Each unit calls only those listed above it. Not part of the public API.
  */
-#ifndef UMP_POOL_H
-#define UMP_POOL_H
+#ifndef UMP_POOLS_H
+#define UMP_POOLS_H
 
 #include "phys.h"
 

@@ -1,5 +1,5 @@
 /*
- * arena.h - the size-class arenas' own parts, which their units share:
+ * arenas.h - the size-class arenas' own parts, which their units share:
  *
  *   registry.c  the sorted chunk registry: which chunk holds a pointer
  *   tcache.c    the per-thread cache of small NumPy blocks
@@ -12,8 +12,8 @@
  * blocks: a managed chunk written by the CPU would migrate to the host, and
  * device memory cannot be written at all. Not part of the public API.
  */
-#ifndef UMP_ARENA_H
-#define UMP_ARENA_H
+#ifndef UMP_ARENAS_H
+#define UMP_ARENAS_H
 
 #include "internal.h"
 
