@@ -1,3 +1,5 @@
+from glob import glob
+
 from setuptools import Extension, setup
 
 # The limited API of CPython 3.10 (abi3): one wheel serves every CPython from
@@ -8,8 +10,9 @@ setup(
     ext_modules=[
         Extension(
             "ump._ucore",
-            sources=["csrc/common.c", "csrc/arena.c", "csrc/cuda.c", "csrc/vmm.c", "csrc/lookup.c", "csrc/module.c"],
-            depends=["csrc/ump.h", "csrc/internal.h", "csrc/cudadrv.h"],
+            # a file per job (docs/architecture.md); the order does not matter
+            sources=sorted(glob("csrc/*.c")),
+            depends=sorted(glob("csrc/*.h")),
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=default"],
             define_macros=[("Py_LIMITED_API", hex(LIMITED_API))],
             py_limited_api=True,

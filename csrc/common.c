@@ -2,7 +2,7 @@
  * common.c - what every unit of the C core shares: the last status and the
  * names of ump's own statuses, fault injection, and fork.
  *
- * It calls no other unit: arena.c, cuda.c and vmm.c build on it.
+ * It calls no other unit: every other unit builds on it.
  */
 #define _GNU_SOURCE
 #include "internal.h"
@@ -29,7 +29,6 @@ int ump__os_status(int err)
     last_os_error = err;
     return UMP_ERR_OS;
 }
-int ump_abi_version(void) { return UMP_ABI_VERSION; }
 
 const char *ump__status_name(int status)
 {
@@ -45,6 +44,7 @@ const char *ump__status_name(int status)
 
 static int64_t inject_after, inject_count;
 static uint32_t inject_delay_us;
+static int inject_signal_fd = -1;
 static int inject_status = UMP_ERR_INJECTED;
 
 void ump_fault_status(int status)
@@ -53,6 +53,8 @@ void ump_fault_status(int status)
 }
 
 void ump_fault_delay(uint32_t usec) { __atomic_store_n(&inject_delay_us, usec, __ATOMIC_RELAXED); }
+
+void ump_fault_signal(int fd) { __atomic_store_n(&inject_signal_fd, fd, __ATOMIC_RELEASE); }
 
 void ump_fault_inject(int64_t after, int64_t count)
 {
@@ -64,6 +66,12 @@ void ump_fault_inject(int64_t after, int64_t count)
 
 static int injected(void)
 {
+    int fd = __atomic_exchange_n(&inject_signal_fd, -1, __ATOMIC_ACQ_REL);
+    if (fd >= 0) {
+        char reached = 1;
+        while (write(fd, &reached, 1) < 0 && errno == EINTR)
+            ;
+    }
     uint32_t delay = __atomic_load_n(&inject_delay_us, __ATOMIC_RELAXED);
     if (delay)
         usleep(delay);

@@ -28,40 +28,42 @@ UMP_HIDDEN extern volatile int ump__forked;
 /* Each unit's locks, in the order fork's prepare takes them. A thread never
  * takes a lock of an earlier rank while it holds one of a later rank, or
  * prepare could wait on a thread that waits on prepare:
- *   UMP_FORK_CUDA    cuda.c   the driver loader lock, never held with another
- *   UMP_FORK_ARENAS  arena.c  thread caches, arena list, registry (rwlock),
- *                             each arena, fallback set; providers (CUDA) are
- *                             called with none of them held
- *   UMP_FORK_POOLS   vmm.c    the pool list, then each pool (held across
- *                             cuCtxSynchronize); pools never call the arenas
+ *   UMP_FORK_CUDA      driver.c    the driver loader lock, never held with another
+ *   UMP_FORK_TCACHE    tcache.c    the list of thread caches (a flush holds it
+ *                                  with the arena's lock)
+ *   UMP_FORK_REGISTRY  registry.c  the chunk registry (rwlock), held with an
+ *                                  arena's lock by frees and trims
+ *   UMP_FORK_ARENAS    arena.c     the arena list, then each arena; providers
+ *                                  (CUDA) are called with none of the above held
+ *   UMP_FORK_FALLBACK  fallback.c  the fallback set, never held with another
+ *   UMP_FORK_POOLS     pool.c      the pool list, then each pool (held across
+ *                                  cuCtxSynchronize); pools never call the arenas
  * ump_lookup asks the pools only after the arenas have let go of the registry. */
-enum ump__fork_rank { UMP_FORK_CUDA, UMP_FORK_ARENAS, UMP_FORK_POOLS, UMP_FORK_RANKS };
+enum ump__fork_rank {
+    UMP_FORK_CUDA,
+    UMP_FORK_TCACHE,
+    UMP_FORK_REGISTRY,
+    UMP_FORK_ARENAS,
+    UMP_FORK_FALLBACK,
+    UMP_FORK_POOLS,
+    UMP_FORK_RANKS
+};
 
 /* Register a unit's handlers (from its constructor). prepare takes every
  * lock of the unit, parent releases them, child re-initialises them. */
 UMP_HIDDEN void ump__on_fork(enum ump__fork_rank rank, void (*prepare)(void),
                              void (*parent)(void), void (*child)(void));
 
-/* --- cuda.c: chunk providers and driver calls ---------------------------- */
-
-/* Take `size` bytes (a multiple of the page size) from a provider. Returns
- * UMP_OK and *out, or a status. Called with no ump lock held: CUDA calls are
- * slow and may synchronise. `fresh_zero` is set when the memory is known to
- * be zero-filled. */
-/* ctx: the CUDA context to work under (NULL: ump's). */
-UMP_HIDDEN int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero,
-                                   void *ctx);
-UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size, void *ctx);
-/* Advise a new managed chunk to live on the host and be mapped by the GPU. */
-UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
-/* Give a new managed chunk of CuPy's its pages on `device` (-1: ump's). */
-UMP_HIDDEN void ump__populate_gpu(void *ptr, size_t size, int device, void *ctx);
+/* --- driver.c: the driver's entry points, and contexts ----------------------
+ * The bottom of the core: driver.c, device.c, provider.c and phys.c are the
+ * only units that call the driver (through this table) or map memory. */
 
 /* The driver's entry points, filled once by ump_cuda_load(); call them only
- * where ump__cuda_ready() says UMP_OK. `vmm`: the VMM entry points exist. */
+ * where ump__cuda_ready() says UMP_OK. `vmm`: the VMM entry points exist;
+ * `devices`: the probe's. */
 typedef struct {
     void *lib;
-    int vmm;
+    int vmm, devices;
     CUresult (*memAllocManaged)(CUdeviceptr *, size_t, unsigned);
     CUresult (*memFree)(CUdeviceptr);
     CUresult (*memHostRegister)(void *, size_t, unsigned);
@@ -87,8 +89,16 @@ typedef struct {
     CUresult (*memSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*memGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
     CUresult (*memcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
-    /* Another device's primary context (the runtime's, CuPy's). */
+    /* Devices: the probe, primary contexts (the runtime's, CuPy's), peers. */
+    CUresult (*init)(unsigned);
+    CUresult (*driverGetVersion)(int *);
+    CUresult (*deviceGetCount)(int *);
     CUresult (*deviceGet)(CUdevice *, int);
+    CUresult (*deviceGetAttribute)(int *, int, CUdevice);
+    CUresult (*deviceGetName)(char *, int, CUdevice);
+    CUresult (*deviceTotalMem)(size_t *, CUdevice);
+    CUresult (*deviceCanAccessPeer)(int *, CUdevice, CUdevice);
+    CUresult (*memGetInfo)(size_t *, size_t *);
     CUresult (*primaryCtxGetState)(CUdevice, unsigned *, int *);
     CUresult (*primaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*primaryCtxRelease)(CUdevice);
@@ -109,6 +119,29 @@ UMP_HIDDEN int ump__cuda_ready(void);
  * may have none). Returns whether one was pushed, for ump__ctx_leave(). */
 UMP_HIDDEN int ump__ctx_enter(void *ctx);
 UMP_HIDDEN void ump__ctx_leave(int pushed);
+/* ump's context and device (ump_cuda_set_context), each read once. */
+UMP_HIDDEN void *ump__own_ctx(void);
+UMP_HIDDEN int ump__own_device(void);
+
+/* --- device.c: devices and their primary contexts ------------------------ */
+
+/* Wait for the work of `device`'s primary context (the runtime's, CuPy's).
+ * One that is not active has no kernel left to wait for. */
+UMP_HIDDEN int ump__device_sync(int device);
+
+/* --- provider.c: chunks for the arenas ---------------------------------- */
+
+/* Take `size` bytes (a multiple of the page size) from a provider. Returns
+ * UMP_OK and *out, or a status. Called with no ump lock held: CUDA calls are
+ * slow and may synchronise. `fresh_zero` is set when the memory is known to
+ * be zero-filled. ctx: the CUDA context to work under (NULL: ump's). */
+UMP_HIDDEN int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero,
+                                   void *ctx);
+UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size, void *ctx);
+/* Advise a new managed chunk to live on the host and be mapped by the GPU. */
+UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
+/* Give a new managed chunk of CuPy's its pages on `device` (-1: ump's). */
+UMP_HIDDEN void ump__populate_gpu(void *ptr, size_t size, int device, void *ctx);
 
 /* --- owners of memory, asked by ump_lookup() (lookup.c) ------------------ */
 

@@ -1,6 +1,6 @@
 /*
  * lookup.c - ump_lookup: which live block holds a pointer. It asks the
- * owners of memory in turn, the arenas (arena.c) and the VMM pools (vmm.c),
+ * owners of memory in turn, the arenas (registry.c) and the VMM pools (pool.c),
  * so neither needs to know of the other. Pool ids follow arena ids, so one
  * number names either owner.
  */

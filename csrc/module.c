@@ -6,8 +6,8 @@
  * NumPy and CuPy calls: through ctypes, with three out-parameters, it would
  * cost microseconds of a hand-off's budget. Otherwise it exports what ump.h
  * defines that Python needs to call the core - the kinds, providers, flags,
- * limits and status codes, and the fields and size of each statistics
- * struct - so that ump/_core.py builds its constants and ctypes mirrors from
+ * limits and status codes, the names of views and advice, and the fields and
+ * size of each struct of uint64_t - so that ump/_core.py builds its constants and ctypes mirrors from
  * the header instead of copying them.
  */
 /* Py_LIMITED_API comes from setup.py: the stable ABI of 3.10, one wheel for
@@ -31,7 +31,10 @@ static const struct constant constants[] = {
     CONSTANT(UMP_ALIGN)
     CONSTANT(UMP_MAX_ARENAS)
     CONSTANT(UMP_MAX_POOLS)
+    CONSTANT(UMP_CHUNK_MIN)
     CONSTANT(UMP_VMM_MAX_BYTES)
+    CONSTANT(UMP_VMM_MAX_RESERVE)
+    CONSTANT(UMP_VMM_MAX_DEVICES)
     UMP_PROVIDERS(LISTED_CONSTANT)
     UMP_ARENA_FLAGS(LISTED_CONSTANT)
     CONSTANT(UMP_OK)
@@ -41,14 +44,18 @@ static const struct constant constants[] = {
     CONSTANT(CUDA_ERROR_OUT_OF_MEMORY)
 };
 
-/* The names Python gives the kinds (ump.kind_of, Options.kind). */
-#define KIND(name, value, label) {label, name},
-static const struct constant kinds[] = {UMP_KINDS(KIND)};
+/* Names Python gives values of C: the kinds (ump.kind_of, Options.kind),
+ * the views (MappedMemory.kind) and cuMemAdvise's advice (ump.advise). */
+#define LABELLED(name, value, label) {label, name},
+static const struct constant kinds[] = {UMP_KINDS(LABELLED)};
+static const struct constant view_kinds[] = {UMP_VIEW_KINDS(LABELLED)};
+static const struct constant advice[] = {CU_MEM_ADVICES(LABELLED)};
 
 #define FIELD_NAME(name) #name,
 static const char *const stats_fields[] = {UMP_STATS_FIELDS(FIELD_NAME)};
 static const char *const vmm_stats_fields[] = {UMP_VMM_STATS_FIELDS(FIELD_NAME)};
 static const char *const vmm_view_times_fields[] = {UMP_VMM_VIEW_TIMES_FIELDS(FIELD_NAME)};
+static const char *const device_fields[] = {UMP_DEVICE_FIELDS(FIELD_NAME)};
 
 #define COUNT(array) (sizeof(array) / sizeof((array)[0]))
 
@@ -78,21 +85,22 @@ static int add_struct(PyObject *m, const char *fields_attr, const char *size_att
     return PyModule_AddIntConstant(m, size_attr, (long)size);
 }
 
-static int add_kinds(PyObject *m)
+/* {name: value} of a labelled list, as attribute `attr`. */
+static int add_labels(PyObject *m, const char *attr, const struct constant *labels, size_t n)
 {
     PyObject *dict = PyDict_New();
     if (!dict)
         return -1;
-    for (size_t i = 0; i < COUNT(kinds); i++) {
-        PyObject *value = PyLong_FromLong(kinds[i].value);
-        int rc = value ? PyDict_SetItemString(dict, kinds[i].name, value) : -1;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *value = PyLong_FromLong(labels[i].value);
+        int rc = value ? PyDict_SetItemString(dict, labels[i].name, value) : -1;
         Py_XDECREF(value);
         if (rc < 0) {
             Py_DECREF(dict);
             return -1;
         }
     }
-    int rc = PyModule_AddObjectRef(m, "KINDS", dict);
+    int rc = PyModule_AddObjectRef(m, attr, dict);
     Py_DECREF(dict);
     return rc;
 }
@@ -136,7 +144,9 @@ static int exec_module(PyObject *m)
     for (size_t i = 0; i < COUNT(constants); i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0)
             return -1;
-    if (add_kinds(m) < 0)
+    if (add_labels(m, "KINDS", kinds, COUNT(kinds)) < 0 ||
+        add_labels(m, "VIEW_KINDS", view_kinds, COUNT(view_kinds)) < 0 ||
+        add_labels(m, "ADVICE", advice, COUNT(advice)) < 0)
         return -1;
     if (add_struct(m, "STATS_FIELDS", "STATS_SIZE", stats_fields, COUNT(stats_fields),
                    sizeof(ump_stats_t)) < 0)
@@ -144,8 +154,11 @@ static int exec_module(PyObject *m)
     if (add_struct(m, "VMM_STATS_FIELDS", "VMM_STATS_SIZE", vmm_stats_fields,
                    COUNT(vmm_stats_fields), sizeof(ump_vmm_stats_t)) < 0)
         return -1;
-    return add_struct(m, "VMM_VIEW_TIMES_FIELDS", "VMM_VIEW_TIMES_SIZE", vmm_view_times_fields,
-                      COUNT(vmm_view_times_fields), sizeof(ump_vmm_view_times_t));
+    if (add_struct(m, "VMM_VIEW_TIMES_FIELDS", "VMM_VIEW_TIMES_SIZE", vmm_view_times_fields,
+                   COUNT(vmm_view_times_fields), sizeof(ump_vmm_view_times_t)) < 0)
+        return -1;
+    return add_struct(m, "DEVICE_FIELDS", "DEVICE_SIZE", device_fields, COUNT(device_fields),
+                      sizeof(ump_device_t));
 }
 
 static struct PyModuleDef module = {

@@ -24,7 +24,7 @@ extern "C" {
  * hand; bump it when one changes. Constants and struct layouts need no
  * version: the extension module exports them (module.c) and the Python layer
  * builds its mirrors from what it exports. */
-#define UMP_ABI_VERSION 7
+#define UMP_ABI_VERSION 8
 
 /* CuPy's kernels and memory pool work in 512-byte units, so every block is
  * aligned to 512 bytes and its size rounded up to a multiple of 512. */
@@ -102,9 +102,16 @@ enum ump_error {
  * CuPy allocates on (csrc/arena.c). */
 #define UMP_MAX_ARENAS 64
 #define UMP_MAX_POOLS 16
+/* The smallest chunk an arena takes from its provider: a cap below it fits
+ * no chunk, and every block would go to plain memory. */
+#define UMP_CHUNK_MIN ((uint64_t)2 << 20)
 /* The most bytes one VMM buffer, view or import may span (128 TiB, the
  * user address space of x86-64): a larger size is a bad argument. */
 #define UMP_VMM_MAX_BYTES ((uint64_t)1 << 47)
+/* The most address space a pool reserves for its blocks. */
+#define UMP_VMM_MAX_RESERVE ((uint64_t)1 << 48)
+/* Devices a pool may grant access to (cuMemSetAccess takes them at once). */
+#define UMP_VMM_MAX_DEVICES 16
 
 /* The statistics structs are lists of uint64_t fields, each written once:
  * the typedef and the extension's field names (module.c) come from the list,
@@ -149,7 +156,7 @@ int ump_arena_trim(int arena);
 int ump_arena_stats(int arena, ump_stats_t *out);
 int ump_fallback_stats(ump_stats_t *out);
 
-/* --- VMM device pools (vmm.c) ------------------------------------------- */
+/* --- VMM device pools (pool.c, and the units pools.h lists) --------------- */
 /* A pool's statistics (ump_vmm_stats). */
 #define UMP_VMM_STATS_FIELDS(X)                                                   \
     X(used_bytes) X(peak_used_bytes) X(total_bytes) /* blocks handed out */       \
@@ -181,6 +188,22 @@ typedef struct { UMP_VMM_STATS_FIELDS(UMP_U64_FIELD) } ump_vmm_stats_t;
     X(access_ns)   /* cuMemSetAccess */
 
 typedef struct { UMP_VMM_VIEW_TIMES_FIELDS(UMP_U64_FIELD) } ump_vmm_view_times_t;
+
+/* What a view is (ump_vmm_view_info), with the name Python gives it
+ * (MappedMemory.kind). Values follow the pool's own regions (its main range
+ * 0, buffers 1). */
+#define UMP_VIEW_KINDS(X)                                                         \
+    X(UMP_VIEW_SHARED, 2, "shared")     /* exportable memory of its own */        \
+    X(UMP_VIEW_IMPORTED, 3, "imported") /* another process's memory */            \
+    X(UMP_VIEW_ALIAS, 4, "alias")       /* a live block's memory, again */        \
+    X(UMP_VIEW_RING, 5, "ring")         /* one handle mapped twice */             \
+    X(UMP_VIEW_STRIPED, 6, "striped")   /* granules over several devices */
+
+enum ump_view_kind {
+#define UMP_VIEW_KIND_ENUM(name, value, label) name = (value),
+    UMP_VIEW_KINDS(UMP_VIEW_KIND_ENUM)
+#undef UMP_VIEW_KIND_ENUM
+};
 
 /* provider: UMP_PROVIDER_DEVICE, or UMP_PROVIDER_HOST for the same pool on an
  * emulated physical layer (memfd) that runs without a GPU. ctx: the device's
@@ -219,8 +242,10 @@ int ump_vmm_import(int pool, int fd, uint64_t bytes, int device, int *view);
 int ump_vmm_alias_create(int pool, uintptr_t ptr, uint64_t bytes, uintptr_t *alias, int *view);
 int ump_vmm_ring_create(int pool, uint64_t bytes, int *view); /* mapped twice, back to back */
 int ump_vmm_striped_create(int pool, uint64_t bytes, const int *devices, int ndevices, int *view);
-/* Its address, bytes mapped and, if times is not NULL, its set-up times. */
-int ump_vmm_view_info(int pool, int view, uintptr_t *ptr, uint64_t *size, ump_vmm_view_times_t *times);
+/* Its address, bytes mapped and, where not NULL, its kind (UMP_VIEW_*) and
+ * set-up times. */
+int ump_vmm_view_info(int pool, int view, uintptr_t *ptr, uint64_t *size, int *kind,
+                      ump_vmm_view_times_t *times);
 int ump_vmm_view_destroy(int pool, int view);
 
 /* --- registry ------------------------------------------------------------ */
@@ -231,8 +256,48 @@ int ump_lookup(uintptr_t ptr, uintptr_t *base, uint64_t *size, int *arena);
 uint64_t ump_foreign_frees(void);
 
 /* --- CUDA ---------------------------------------------------------------- */
+/* Open the driver (NULL: libcuda.so.1); UMP_ERR_NOCUDA where there is none. */
 int ump_cuda_load(const char *path);
 int ump_cuda_set_context(uintptr_t ctx, int device);
+
+/* --- devices (device.c): what ump reads of the GPUs, and their contexts --- */
+/* cuInit, then the driver's version and how many devices it has. Needs no
+ * CUDA context and makes none. */
+int ump_cuda_init(int *driver_version, int *count);
+
+/* What ump reads of a device (ump_device_probe): attributes
+ * (cuDeviceGetAttribute, each 0 or a number), its memory, and its VMM
+ * granularities (0 without VMM). */
+#define UMP_DEVICE_FIELDS(X)                                                      \
+    X(compute_capability_major) X(compute_capability_minor)                       \
+    X(total_memory)                                                               \
+    X(managed_memory)                                                             \
+    X(pageable_memory_access)          /* SAM: HMM or ATS */                      \
+    X(uses_host_page_tables)           /* SAM through the host's tables: ATS */   \
+    X(concurrent_managed_access)                                                  \
+    X(host_pointer_for_registered_mem) /* registered memory keeps its address */ \
+    X(vmm_supported)                                                              \
+    X(vmm_granularity) X(vmm_recommended_granularity)                             \
+    X(posix_fd_handles)                /* VMM memory exports as a file descriptor */
+
+typedef struct { UMP_DEVICE_FIELDS(UMP_U64_FIELD) } ump_device_t;
+
+/* The device's fields and its name (at most len - 1 bytes, NUL-terminated). */
+int ump_device_probe(int device, ump_device_t *out, char *name, size_t len);
+/* Retain the device's primary context (CuPy's and the runtime's too) and
+ * write it to *ctx; ump_device_release lets go of one retain. */
+int ump_device_retain(int device, uintptr_t *ctx);
+int ump_device_release(int device);
+/* Free and total memory of the device whose context ctx is. */
+int ump_device_memory(uintptr_t ctx, uint64_t *free_bytes, uint64_t *total_bytes);
+int ump_device_can_access_peer(int device, int peer, int *can);
+/* Whether the device's primary context is active: only then can work of
+ * this process be queued on the device. */
+int ump_device_active(int device, int *active);
+/* Make ctx current on this thread for a few driver calls made elsewhere
+ * (cuda-bindings), then pop it. */
+int ump_context_push(uintptr_t ctx);
+int ump_context_pop(void);
 int ump_prefetch(uintptr_t ptr, uint64_t size, int device, uintptr_t stream);
 int ump_advise(uintptr_t ptr, uint64_t size, int advice, int device);
 int ump_cuda_error_name(int status, char *buf, size_t len);
@@ -241,7 +306,6 @@ int ump_cuda_error_name(int status, char *buf, size_t len);
 int ump_last_status(void);
 /* The errno behind this thread's last UMP_ERR_OS (EMFILE, ...). */
 int ump_last_os_error(void);
-int ump_abi_version(void);
 /* Fail provider calls: skip `after` successful ones, then fail `count`
  * (-1: all). ump_fault_inject(0, 0) turns injection off and the status back
  * to UMP_ERR_INJECTED. */
@@ -252,6 +316,10 @@ void ump_fault_status(int status);
 /* Sleep `usec` at every fault-injection point, which in a VMM pool lies
  * under the pool's lock: tests hold a lock open with it. 0: no delay. */
 void ump_fault_delay(uint32_t usec);
+/* Write one byte to fd (a pipe's write end) at the next fault-injection
+ * point reached, then forget fd: a test learns that a call got there, under
+ * whatever lock it holds at that point. -1: none. */
+void ump_fault_signal(int fd);
 int ump_is_forked_child(void);
 
 #ifdef __cplusplus

@@ -73,6 +73,14 @@ def caps():
 
 
 @pytest.fixture(scope="session")
+def stub_cuda(tmp_path_factory):
+    """tests/c/stub_cuda.c built as a driver (tests/_stub.py runs Python on it)."""
+    import _stub
+
+    return _stub.build(tmp_path_factory.mktemp("stub"))
+
+
+@pytest.fixture(scope="session")
 def gpu_caps(caps):
     if not caps.gpu:
         pytest.skip(f"needs a CUDA GPU: {caps.reason}")

@@ -11,8 +11,9 @@ import types
 
 import pytest
 
-from ump import _core, _enable, backends
-from ump._cupy_alloc import ReleaseQueue, UnifiedUpstream
+from ump import _core, _devices, _enable, backends
+from ump._cupy_alloc import UnifiedUpstream
+from ump._release import ReleaseQueue
 from ump._cupy_compat import out_of_memory_error
 
 MiB = 1 << 20
@@ -127,11 +128,10 @@ def test_out_of_memory_names_this_threads_failure_when_another_thread_allocated_
 
 @pytest.fixture
 def contexts(monkeypatch):
-    """_gpu_context without a GPU: device k's context is 0x1000 + k, and it
-    has k + 1 GiB free of 8 GiB. (No chunk is made: no CUDA call.)"""
-    monkeypatch.setattr(_enable, "_gpu_context", lambda d: (0x1000 + d, (d + 1) << 30, 8 << 30))
-    monkeypatch.setattr(_enable, "check_device_index", lambda d: None)
-    monkeypatch.setattr(_enable, "_device_arenas", {})
+    """Device contexts without a GPU: device k's context is 0x1000 + k, and
+    it has k + 1 GiB free of 8 GiB. (No chunk is made: no CUDA call.)"""
+    monkeypatch.setattr(_devices, "context", lambda d: (0x1000 + d, (d + 1) << 30, 8 << 30))
+    monkeypatch.setattr(_devices, "_cupy_arenas", {})
 
 
 def test_managed_memory_of_another_gpu_has_that_gpus_budget(contexts):
@@ -155,7 +155,7 @@ def test_system_memory_has_no_context_to_tell_devices_apart(contexts):
 
 
 def test_a_gpu_without_room_makes_cupy_run_out_of_memory_there(contexts, monkeypatch):
-    monkeypatch.setattr(_enable, "_gpu_context", lambda d: (0x1000 + d, 64 * MiB, 8 << 30))
+    monkeypatch.setattr(_devices, "context", lambda d: (0x1000 + d, 64 * MiB, 8 << 30))
     main = _core.Arena("managed", _core.PROVIDER_MANAGED, 4 << 30, cupy_side=True)
     arena = _enable._cupy_arena_on(backends.MANAGED, _enable.Options(), main, 3)
     assert arena.device == 3 and arena.statistics().cap_bytes == 0  # an allocation fails as out of memory

@@ -12,13 +12,12 @@ import os
 import subprocess
 import sys
 import threading
-import types
 
 import numpy as np
 import pytest
 
 import ump
-from ump import _core, _cupy_compat, _enable, _numpy_hook, _probe, backends
+from ump import _core, _cupy_compat, _devices, _driver, _enable, _numpy_hook, _probe, backends
 
 handler_name = np._core.multiarray.get_handler_name
 
@@ -261,7 +260,7 @@ def test_default_budgets_follow_where_memory_lives(monkeypatch):
     GPU holds; host memory is bounded by a share of the host's as well."""
     from ump import backends
 
-    monkeypatch.setattr(backends, "host_available_bytes", lambda: 100 << 30)
+    monkeypatch.setattr(_probe, "host_available_bytes", lambda: 100 << 30)
     free, headroom = 140 << 30, 2 << 30
     assert backends.MANAGED.default_cap(free, headroom) == 138 << 30  # the host does not bound it
     assert backends.MANAGED.cupy_cap(free, headroom) == 138 << 30
@@ -275,9 +274,7 @@ def test_default_budgets_follow_where_memory_lives(monkeypatch):
 
 
 def test_no_room_for_a_budget_is_a_clear_error(cpu_only, monkeypatch):
-    from ump import backends
-
-    monkeypatch.setattr(backends, "host_available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(_probe, "host_available_bytes", lambda: 1 << 20)
     with pytest.raises(ump.UmpError, match="no room for the host backend's budget: the host has 1048576"):
         ump.enable()
     assert not ump.is_enabled()
@@ -304,39 +301,15 @@ def fake_gpu(monkeypatch):
     object, loading libcuda does nothing, and no arena or context is kept.
     The machine's probe is read first and stands in for enable()'s: the
     probe is cached for the process, and must not cache a fake driver's
-    answers for the tests that follow."""
+    answers for the tests that follow. (A driver that answers for real is
+    tests/test_driver.py's stub.)"""
     caps = _probe.probe()
     monkeypatch.setattr(_enable, "probe", lambda: caps)
     monkeypatch.setattr(backends, "select", lambda backend, caps, device=0: backends.PINNED)
     monkeypatch.setattr(_cupy_compat, "import_cupy", lambda: object())
-    monkeypatch.setattr(_core, "cuda_load", lambda: None)
+    monkeypatch.setattr(_driver, "load", lambda: None)
     monkeypatch.setattr(_core, "cuda_set_context", lambda ctx, device: pytest.fail("no context to set"))
-    monkeypatch.setattr(_enable, "_contexts", {})
-
-
-@pytest.fixture
-def full_gpu(fake_gpu, monkeypatch):
-    """cuda.bindings.driver, as a GPU too full for a context answers."""
-    driver = types.ModuleType("cuda.bindings.driver")
-    driver.CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
-
-    def cuGetErrorName(err):
-        return 0, b"CUDA_ERROR_OUT_OF_MEMORY"
-
-    def cuDeviceGet(index):
-        return 0, index
-
-    def cuDevicePrimaryCtxRetain(dev):
-        return 2, None  # CUDA_ERROR_OUT_OF_MEMORY
-
-    driver.cuGetErrorName, driver.cuDeviceGet = cuGetErrorName, cuDeviceGet
-    driver.cuDevicePrimaryCtxRetain = cuDevicePrimaryCtxRetain
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.driver = driver
-    cuda = types.ModuleType("cuda")
-    cuda.bindings = bindings
-    for name, module in (("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
-        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(_devices, "_contexts", {})
 
 
 def test_enable_needs_cupy_enable_ump_or_the_launchers_mark(fake_gpu, monkeypatch):
@@ -369,37 +342,6 @@ def test_a_cupy_that_fails_to_import_is_an_ump_error(fake_gpu, monkeypatch):
     with pytest.raises(ump.UmpError, match="needs CuPy, which failed to import: OSError: libnvrtc"):
         ump.enable("pinned")
     assert not ump.is_enabled()
-
-
-def test_a_gpu_without_room_for_a_context_is_an_ump_error(fake_gpu, full_gpu, monkeypatch):
-    """The driver's error reaches the user as an UmpError naming it, not
-    as ump's private driver error, and nothing stays enabled."""
-    monkeypatch.setenv("CUPY_ENABLE_UMP", "1")
-    with pytest.raises(ump.UmpError, match="setting up the CUDA context of device 0: the GPU has no room") as info:
-        ump.enable("pinned")
-    err = info.value
-    assert err.cuda_error == "CUDA_ERROR_OUT_OF_MEMORY" and str(err).endswith("(CUDA_ERROR_OUT_OF_MEMORY)")
-    assert "cuDevicePrimaryCtxRetain failed" in err.message
-    assert isinstance(err.__cause__, _probe._DriverError) and isinstance(err.__cause__, ump.UmpError)
-    assert not ump.is_enabled() and _enable._contexts == {}
-
-
-def test_the_launcher_reports_a_failing_driver_in_one_line(fake_gpu, full_gpu, monkeypatch, tmp_path, capsys):
-    from ump._options import TABLE
-    from ump.__main__ import main
-
-    for var in ("CUPY_ENABLE_UMP", *(option.env for option in TABLE.values())):
-        monkeypatch.delenv(var, raising=False)
-    script = tmp_path / "x.py"
-    script.write_text("raise SystemExit('the script must not run')\n")
-    with pytest.raises(SystemExit) as info:
-        main(["run", str(script)])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    usage, line = err.splitlines()
-    assert usage.startswith("usage: python -m ump run")
-    assert line.startswith("python -m ump run: error: setting up the CUDA context of device 0")
-    assert err.rstrip().endswith("(CUDA_ERROR_OUT_OF_MEMORY)") and "Traceback" not in err
 
 
 # --- threads ---

@@ -3,15 +3,16 @@ inherit a lock held by a thread that does not exist in it.
 
 The VMM pool runs on its emulated physical layer (memfd), so this runs on
 every machine. A fault-injection delay holds the pool's lock open for as long
-as the test needs, which makes the race deterministic.
+as the test needs, and the injection point tells a pipe when it is reached,
+which makes the race deterministic.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import threading
-import time
 import types
 
 import pytest
@@ -24,26 +25,28 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 
 MiB = 1 << 20
 
+
 def test_child_forked_while_a_thread_holds_a_pool_lock_finishes():
     pool = VMMPool(emulate=True, reserve=1 << 30)
     inherited = pool.allocate(MiB)
     ctypes.memset(inherited, 5, MiB)
     foreign = ctypes.create_string_buffer(4096)  # memory ump does not own
-    entered = threading.Event()
     grown = []
 
     def hold_the_pool_lock():
-        entered.set()
         # 8 MiB beyond the first granule: a handle created, mapped and given
         # access, each step a fault-injection point that sleeps under the lock.
         grown.append(pool.allocate(8 * MiB))
 
+    reached, signal = os.pipe()
     _core.fault_delay(400_000)
+    _core.fault_signal(signal)  # the first injection point tells the pipe
     try:
         thread = threading.Thread(target=hold_the_pool_lock)
         thread.start()
-        entered.wait()
-        time.sleep(0.3)  # the thread is now inside ump_vmm_alloc, lock held
+        ready, _, _ = select.select([reached], [], [], CHILD_TIMEOUT)
+        assert ready, "the thread never reached a fault-injection point"
+        os.read(reached, 1)  # the thread is inside ump_vmm_alloc, lock held, asleep
         pid = fork()
         if pid == 0:
             code = 1
@@ -61,6 +64,9 @@ def test_child_forked_while_a_thread_holds_a_pool_lock_finishes():
         thread.join()
     finally:
         _core.fault_delay(0)
+        _core.fault_signal(-1)
+        os.close(reached)
+        os.close(signal)
     assert code is not None, f"the forked child hung for {CHILD_TIMEOUT:.0f} s on a lock it inherited held"
     assert code == 0
     assert _core.is_forked_child() == 0
@@ -87,12 +93,15 @@ def test_a_cupy_hook_uninstalled_without_cuda_only_puts_cupy_back():
     # advice, the wait for the device, the pool's frees.
     from ump._cupy_hook import CupyHook
 
+    from ump._cupy_alloc import CupyAllocator
+
     calls = []
     hook = object.__new__(CupyHook)
-    hook.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+    hook.allocator = object.__new__(CupyAllocator)
+    hook.allocator.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         set_allocator=lambda allocator: calls.append(f"set_allocator({allocator})")))
-    hook._saved_allocator = "CuPy's allocator"
-    hook._patches = types.SimpleNamespace(restore=lambda: calls.append("patches restored"))
+    hook.allocator.saved = "CuPy's allocator"
+    hook.patches = types.SimpleNamespace(restore=lambda: calls.append("patches restored"))
     hook.placement = types.SimpleNamespace(close=lambda: calls.append("placement closed"))
     hook.release = types.SimpleNamespace(wait_for=lambda: calls.append("device waited for"))
     hook.pool = types.SimpleNamespace(free_all_blocks=lambda: calls.append("pool freed"))

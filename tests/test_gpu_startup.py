@@ -47,6 +47,23 @@ ROUND_TRIP = """
 """
 
 
+def test_enable_imports_no_cuda_bindings(gpu_caps):
+    """ump.enable() reads the GPU, retains its context and asks for its free
+    memory through the C core: cuda-bindings' driver module (tens of
+    milliseconds of a program's start-up) is not imported for it. CuPy may
+    import it itself, so what counts is what enabling adds."""
+    out = _python("""
+        import sys
+        import cupy
+        before = "cuda.bindings.driver" in sys.modules
+        import ump
+        ump.enable()
+        print(before, "cuda.bindings.driver" in sys.modules)
+    """, env={"CUPY_ENABLE_UMP": "1"})
+    before, after = out.split()
+    assert after == before, "ump.enable() imported cuda.bindings.driver"
+
+
 @pytest.mark.parametrize("cupy_env", ["1", None], ids=["cupy-imported-with-UMP", "cupy-imported-plain"])
 def test_enable_after_cupy_was_imported(gpu_caps, cupy_env):
     code = ("import os, numpy as np\n"

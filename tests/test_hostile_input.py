@@ -23,7 +23,7 @@ import ump
 import ump.share
 from _fork import fork, wait
 from _pools import emulated_pool
-from ump import _core, _share
+from ump import _core, _vmm
 from ump._vmm import VMMPool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and SCM_RIGHTS are Linux's")
@@ -212,17 +212,17 @@ def test_a_lying_granularity_reserves_nothing(pool, monkeypatch):
     """The default importing pool used to be made with the handle's
     granularity as its reservation: granularity = 2**46 left 64 TiB of
     address space reserved and a 256 MiB granule map resident for good."""
-    monkeypatch.setattr(_share, "_importers", {})
+    monkeypatch.setattr(_vmm, "_importers", {})
     with pool.allocate_shared(GRAN) as mem, mem.export() as good:
         vm = _status("VmSize")
         liar = ump.ExportHandle(os.dup(good.fd), **_meta(granularity=2**46, nbytes=2**46, size=GRAN))
         with liar, pytest.raises(ump.UmpError):
             ump.import_handle(liar)
         assert _status("VmSize") - vm < 256 * MiB
-        assert _share._importers == {}  # no pool was made for it
+        assert _vmm._importers == {}  # no pool was made for it
         with ump.ExportHandle(os.dup(good.fd), **_meta()) as honest, ump.import_handle(honest) as m:
             assert m.pool.statistics().reserved_bytes == 2 * GRAN  # one granule + the view's
-        _share._importers.popitem()[1].close()
+        _vmm._importers.popitem()[1].close()
 
 
 def test_a_lying_size_is_checked_against_the_descriptor_before_any_allocation(pool):

@@ -611,6 +611,16 @@ def _sync(policy, cupy, seconds, device=0, exclude=None):
     policy.on_sync(device, seconds, exclude)
 
 
+def _handed_over():
+    """A block handed to CuPy, whose view the program holds: (CuPy, the
+    policy, the view's lease)."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    lease = FakeLease([0])
+    policy.on_handoff("managed", BASE, GiB, lease)
+    return cupy, policy, lease
+
+
 HELD_COST = _placement.ONE_WAY_SECONDS_PER_BYTE + _placement.HOST_FAULTS_SECONDS_PER_BYTE
 
 
@@ -666,11 +676,7 @@ def test_a_single_pass_and_its_own_export_do_not_move_the_block(moves):
 
 
 def test_a_block_whose_view_died_or_on_another_device_is_not_moved(moves):
-    cupy = FakeCupy()
-    policy = _policy(cupy)
-    held = [0]
-    lease = FakeLease(held)
-    policy.on_handoff("managed", BASE, GiB, lease)
+    cupy, policy, lease = _handed_over()
     _sync(policy, cupy, 5.0, device=1)  # another GPU's work
     assert moves == []
     del lease  # CuPy dropped its view
@@ -692,11 +698,7 @@ def test_every_hand_off_starts_the_count_over(moves):
 
 
 def test_a_block_moved_between_reads_comes_back_at_its_export_and_is_heavy(moves):
-    cupy = FakeCupy()
-    policy = _policy(cupy)
-    held = [0]
-    lease = FakeLease(held)
-    policy.on_handoff("managed", BASE, GiB, lease)
+    cupy, policy, lease = _handed_over()
     _sync(policy, cupy, 0.3)
     assert moves == [(GiB, 0)]
     policy.on_host_export("managed", BASE, GiB, 0.01)
@@ -765,14 +767,20 @@ def test_an_upload_only_cupy_holds_moves_at_the_next_allocation(moves):
     assert not policy.uploads and not watch.on  # nothing more to ask
 
 
-def test_an_array_the_program_holds_is_asked_about_a_few_allocations_only(moves):
+def _upload_the_program_holds():
+    """A NumPy array the program still holds, handed to CuPy: (the policy,
+    its watch, the array, its lease)."""
     import numpy
 
-    cupy = FakeCupy()
-    policy, watch = _watched_policy(cupy)
+    policy, watch = _watched_policy(FakeCupy())
     held = numpy.ones(4)
     lease = FakeLease(held)
     policy.on_handoff("managed", BASE, GiB, lease)
+    return policy, watch, held, lease
+
+
+def test_an_array_the_program_holds_is_asked_about_a_few_allocations_only(moves):
+    policy, watch, held, lease = _upload_the_program_holds()
     for _ in range(_placement.HOLD_CHECKS):
         policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
     assert moves == [] and not policy.uploads and not watch.on
@@ -784,13 +792,7 @@ def test_an_array_the_program_holds_is_asked_about_a_few_allocations_only(moves)
 
 
 def test_an_upload_the_program_lets_go_of_later_moves_then(moves):
-    import numpy
-
-    cupy = FakeCupy()
-    policy, watch = _watched_policy(cupy)
-    held = numpy.ones(4)
-    lease = FakeLease(held)
-    policy.on_handoff("managed", BASE, GiB, lease)
+    policy, watch, held, lease = _upload_the_program_holds()
     policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
     assert moves == []
     del held

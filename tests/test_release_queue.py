@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from ump._cupy_alloc import ReleaseQueue
+from ump._release import ReleaseQueue
 
 
 def _fake_cupy(log, graph=None):
@@ -155,7 +155,7 @@ def test_a_block_the_pool_gives_back_is_waited_for_then_freed_whatever_the_place
 def _round_trip(a, queue):
     """What ``cupy.asnumpy(cupy.asarray(a))`` returns under ump: a host view
     whose base holds the CuPy view, whose memory holds a Lease on ``a``."""
-    from ump._cupy_alloc import Lease
+    from ump._release import Lease
     from ump._cupy_hook import _Export
 
     return np.asarray(_Export(dict(a.__array_interface__), Lease(a, queue, 0)))
@@ -172,7 +172,7 @@ def test_releasing_host_views_of_round_trips_hands_the_queue_more_without_a_hang
     # In-place round trips: each array released frees a host view whose CuPy
     # view had leased another NumPy array; that Lease hands it to the queue
     # while the queue is releasing.
-    from ump._cupy_alloc import Lease
+    from ump._release import Lease
 
     queue = ReleaseQueue(_fake_cupy([]))
     first, second = _round_trip(np.ones(8), queue), _round_trip(np.ones(8), queue)
@@ -189,7 +189,7 @@ def test_releasing_host_views_of_round_trips_hands_the_queue_more_without_a_hang
 def test_a_view_dropped_while_the_queue_is_locked_is_queued_by_the_next_call():
     # A collection inside any allocation can drop a CuPy view on the thread
     # that holds the queue's lock.
-    from ump._cupy_alloc import Lease
+    from ump._release import Lease
 
     queue = ReleaseQueue(_fake_cupy([]))
     a = np.ones(8)

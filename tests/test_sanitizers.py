@@ -3,8 +3,9 @@ ThreadSanitizer, driven by the programs in tests/c/: stress.c (8 threads, over
 a million operations), arena_race.c (the arenas' lock-free paths against
 trim, double frees and fault injection), pool_race.c (VMM pools destroyed
 while other threads use them), ctx_race.c (ump's CUDA context changed
-under provider calls, through stub_cuda.c) and fuzz.c (random calls with
-hostile arguments, checked against a model)."""
+under provider calls, through stub_cuda.c), probe.c (the devices' calls,
+through stub_cuda.c) and fuzz.c (random calls with hostile arguments,
+checked against a model)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORE = [ROOT / "csrc" / name for name in ("common.c", "arena.c", "cuda.c", "vmm.c", "lookup.c")]
+# every unit of the core but the Python module
+CORE = sorted(p for p in (ROOT / "csrc").glob("*.c") if p.name != "module.c")
 CC = os.environ.get("CC", "cc")
 ASAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 ASAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
@@ -110,23 +112,26 @@ def test_random_hostile_calls_under_asan_and_ubsan(tmp_path):
     assert out.startswith("fuzz seed: ") and f"fuzz: {FUZZ_OPS} ops" in out
 
 
-def _stub_driver(tmp_path):
-    """tests/c/stub_cuda.c as a shared library ump_cuda_load() accepts."""
-    lib = tmp_path / "libcuda_stub.so"
-    proc = subprocess.run([CC, "-shared", "-fPIC", "-O1", str(ROOT / "tests" / "c" / "stub_cuda.c"),
-                           "-o", str(lib)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(proc.stderr)
-    return lib
-
-
 # enable() sets ump's context and device while NumPy allocates on other
 # threads, whose provider calls push that context and advise that device:
 # written and read as plain globals, TSan reported the race at once.
-def test_context_changed_under_provider_calls_under_tsan(tmp_path):
+def test_context_changed_under_provider_calls_under_tsan(tmp_path, stub_cuda):
     exe = _build(tmp_path, "ctx_race", TSAN)
-    out = _run(exe, 2000, {**TSAN_ENV, "UMP_TEST_LIBCUDA": str(_stub_driver(tmp_path))})
+    out = _run(exe, 2000, {**TSAN_ENV, "UMP_TEST_LIBCUDA": str(stub_cuda)})
     assert "2000 rounds" in out
+
+
+# The probe, primary contexts, free memory and peers through the driver table,
+# with no driver and then with the stub: every call checked, every retain
+# released, from four threads at once.
+def test_device_calls_under_asan_and_ubsan(tmp_path, stub_cuda):
+    out = _run(_build(tmp_path, "probe", ASAN), 1000, {**ASAN_ENV, "UMP_TEST_LIBCUDA": str(stub_cuda)})
+    assert "1000 rounds x 4 threads" in out
+
+
+def test_device_calls_under_tsan(tmp_path, stub_cuda):
+    out = _run(_build(tmp_path, "probe", TSAN), 500, {**TSAN_ENV, "UMP_TEST_LIBCUDA": str(stub_cuda)})
+    assert "500 rounds x 4 threads" in out
 
 
 def test_extension_in_python_under_valgrind():

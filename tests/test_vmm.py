@@ -1,8 +1,9 @@
 """The VMM pool's logic on its emulated physical layer (memfd mappings): the
-same C code as on a GPU, minus the CUDA calls. Runs on every machine.
+same C code as on a GPU, minus the CUDA calls. Runs on every machine; the
+tests on `any_pool` run on the GPU's physical layer too, where there is one.
 
-What the GPU adds (real cuMemCreate/cuMemMap, CuPy, peer access) is in
-test_gpu_vmm.py.
+What the GPU adds (CuPy, peer access, the driver's own memory accounting) is
+in test_gpu_vmm.py.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-import types
 
 import pytest
 
 import ump
 from _fork import fork, wait
-from _pools import emulated_pool
+from _pools import device_pool, emulated_pool, fill, holds
 from _threads import run_threads
 from ump import _core
 from ump._vmm import VMMPool
@@ -28,6 +28,15 @@ GRAN = 2 * MiB
 @pytest.fixture
 def pool():
     yield from emulated_pool(8 << 30)
+
+
+@pytest.fixture(params=["emulated", pytest.param("gpu", marks=pytest.mark.gpu)])
+def any_pool(request):
+    """A pool on each physical layer: the emulation, and GPU 0's memory."""
+    if request.param == "emulated":
+        yield from emulated_pool(8 << 30)
+    else:
+        yield from device_pool(request.getfixturevalue("vmm_cupy"), 8 << 30)
 
 
 def _fill(ptr, n, byte):
@@ -195,13 +204,14 @@ def test_stream_order(pool):
     pool.deallocate(again)
 
 
-def test_limit(pool):
+def test_limit(any_pool):
+    pool = any_pool
     pool.set_limit(16 * MiB)
     p = pool.allocate(12 * MiB)
-    _fill(p, 12 * MiB, 7)
+    fill(pool, p, 12 * MiB, 7)
     with pytest.raises(ump.OutOfMemoryError, match="limit 16777216"):
         pool.allocate(8 * MiB)
-    assert _check(p, 12 * MiB, 7)  # nothing lost
+    assert holds(pool, p, 12 * MiB, 7)  # nothing lost
     pool.deallocate(p)
     q = pool.allocate(16 * MiB)  # the freed memory is reused under the limit
     assert pool.statistics().physical_bytes <= 16 * MiB
@@ -211,10 +221,11 @@ def test_limit(pool):
 
 
 @pytest.mark.parametrize("after", [0, 1, 2, 3])
-def test_a_failed_mapping_is_rolled_back(pool, after):
+def test_a_failed_mapping_is_rolled_back(any_pool, after):
     """Fail the N-th step (create, map, ..., set-access) of a 3-handle mapping."""
+    pool = any_pool
     keep = pool.allocate(MiB)
-    _fill(keep, MiB, 9)
+    fill(pool, keep, MiB, 9)
     before = pool.statistics()
     _core.fault_inject(after, 1)
     with pytest.raises(ump.OutOfMemoryError, match="UMP_ERR_INJECTED"):
@@ -224,9 +235,13 @@ def test_a_failed_mapping_is_rolled_back(pool, after):
     assert st.rollbacks == before.rollbacks + 1
     assert (st.physical_bytes, st.mapped_bytes, st.used_bytes) == (
         before.physical_bytes, before.mapped_bytes, before.used_bytes)
-    assert _check(keep, MiB, 9)
+    # every handle created on the way was released again
+    assert st.handles == before.handles
+    assert st.handles_created - st.handles_released == before.handles_created - before.handles_released
+    assert holds(pool, keep, MiB, 9)
     p = pool.allocate(7 * MiB)  # and the pool still works
-    _fill(p, 7 * MiB, 1)
+    fill(pool, p, 7 * MiB, 1)
+    assert holds(pool, p, 7 * MiB, 1)
     pool.deallocate(p)
     pool.deallocate(keep)
 
@@ -473,30 +488,3 @@ def test_a_forked_child_cannot_allocate_from_its_parents_emulated_pool(pool):
     b = pool.allocate(4096)
     assert b == a  # the parent's pool is as it was
     pool.deallocate(b)
-
-
-def test_a_pool_that_fails_to_open_releases_the_primary_context(monkeypatch):
-    """VMMPool retains its device's primary context; a bad limit or a full
-    pool table must not leave it retained. Driver and probe are faked, so
-    this runs without a GPU."""
-    driver = pytest.importorskip("cuda.bindings.driver")
-    from ump import _vmm
-
-    ok = driver.CUresult.CUDA_SUCCESS
-    held = []
-    gpu = types.SimpleNamespace(name="fake GPU", vmm_supported=True, total_memory=16 << 30)
-    monkeypatch.setattr(_vmm, "probe", lambda: types.SimpleNamespace(gpu=True, reason="", devices=[gpu]))
-    monkeypatch.setattr(_core, "cuda_load", lambda *args: 0)
-    monkeypatch.setattr(driver, "cuDeviceGet", lambda i: (ok, i))
-    monkeypatch.setattr(driver, "cuDevicePrimaryCtxRetain", lambda d: (held.append(d), (ok, 0x1000))[1])
-    monkeypatch.setattr(driver, "cuDevicePrimaryCtxRelease", lambda d: (held.remove(d), (ok,))[1])
-    with pytest.raises(ValueError, match="fraction"):
-        VMMPool(0, limit=1.5)
-    with pytest.raises(ValueError, match="limit"):
-        VMMPool(0, limit=-1)
-    assert held == []
-    # the C side refuses (a 17th pool): nothing real is created with the fake context
-    monkeypatch.setattr(_core, "vmm_create", lambda *args: _core.ERR_ARG)
-    with pytest.raises(ump.UmpError, match=f"at most {_core.MAX_POOLS} pools"):
-        VMMPool(0)
-    assert held == []

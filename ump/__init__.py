@@ -26,9 +26,9 @@ _HOMES = {
     "disable": "_enable", "enable": "_enable", "enabled": "_enable", "is_enabled": "_enable",
     "advise": "_api", "asarray": "_api", "asnumpy": "_api", "kind_of": "_api", "migrate": "_api",
     "prefetch": "_api", "statistics": "_api", "synchronize": "_api", "trim": "_api",
-    "GrowableBuffer": "_vmm", "MappedMemory": "_vmm", "VMMPool": "_vmm", "VMMStatistics": "_vmm",
-    "ViewTimes": "_vmm",
-    "ExportHandle": "_share", "import_handle": "_share",
+    "GrowableBuffer": "_views", "MappedMemory": "_views", "VMMPool": "_vmm", "VMMStatistics": "_vmm",
+    "ViewTimes": "_views",
+    "ExportHandle": "_share", "import_handle": "_vmm",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads them
@@ -38,8 +38,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from ._errors import BackendUnavailableError, OutOfMemoryError, UmpError, UmpWarning
     from ._options import Options
     from ._probe import Capabilities, DeviceInfo, probe
-    from ._share import ExportHandle, import_handle
-    from ._vmm import GrowableBuffer, MappedMemory, VMMPool, VMMStatistics, ViewTimes
+    from ._share import ExportHandle
+    from ._views import GrowableBuffer, MappedMemory, ViewTimes
+    from ._vmm import VMMPool, VMMStatistics, import_handle
 
 
 def __getattr__(name: str):

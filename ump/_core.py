@@ -16,7 +16,7 @@ from ._errors import InvalidArgumentError, OutOfMemoryError, UmpError
 
 # The version of the functions' signatures declared below (UMP_ABI_VERSION in
 # csrc/ump.h). Constants and struct layouts are read from the extension.
-ABI_VERSION = 7
+ABI_VERSION = 8
 if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
     raise ImportError(
         f"ump's C extension has ABI {_ucore.ABI_VERSION}, the Python layer expects "
@@ -32,8 +32,18 @@ PROVIDER_PINNED = _ucore.UMP_PROVIDER_PINNED
 PROVIDER_DEVICE = _ucore.UMP_PROVIDER_DEVICE
 MAX_ARENAS = _ucore.UMP_MAX_ARENAS
 MAX_POOLS = _ucore.UMP_MAX_POOLS
+#: The smallest chunk an arena takes, so the smallest cap that fits one.
+CHUNK_MIN = _ucore.UMP_CHUNK_MIN
 #: The most bytes one VMM buffer, view or import may span.
 VMM_MAX_BYTES = _ucore.UMP_VMM_MAX_BYTES
+#: The most address space a VMM pool reserves.
+VMM_MAX_RESERVE = _ucore.UMP_VMM_MAX_RESERVE
+#: The most devices a VMM pool may grant access to.
+VMM_MAX_DEVICES = _ucore.UMP_VMM_MAX_DEVICES
+#: What a view is, by the value C gives it (MappedMemory.kind).
+VIEW_KINDS = {value: name for name, value in _ucore.VIEW_KINDS.items()}
+#: cuMemAdvise's advice codes, by the names ump.advise takes.
+ADVICE = dict(_ucore.ADVICE)
 ARENA_ADVISE_HOST = _ucore.UMP_ARENA_ADVISE_HOST
 ARENA_CUPY = _ucore.UMP_ARENA_CUPY
 ALIGN = _ucore.UMP_ALIGN
@@ -72,6 +82,7 @@ _CVmmStats = _u64_struct("_CVmmStats", "ump_vmm_stats_t", _ucore.VMM_STATS_FIELD
                          _ucore.VMM_STATS_SIZE)
 _CViewTimes = _u64_struct("_CViewTimes", "ump_vmm_view_times_t", _ucore.VMM_VIEW_TIMES_FIELDS,
                           _ucore.VMM_VIEW_TIMES_SIZE)
+_CDevice = _u64_struct("_CDevice", "ump_device_t", _ucore.DEVICE_FIELDS, _ucore.DEVICE_SIZE)
 
 
 # --- every argument that crosses into C ------------------------------------------
@@ -209,6 +220,16 @@ _fallback_stats = declare("ump_fallback_stats", _int, out("stats", _CStats))
 foreign_frees = declare("ump_foreign_frees", _u64)
 _cuda_load = declare("ump_cuda_load", _int, Param("path", ctypes.c_char_p))
 _cuda_set_context = declare("ump_cuda_set_context", _int, handle("context"), device())
+cuda_init = declare("ump_cuda_init", _int, out("driver_version", _int), out("count", _int))
+device_probe = declare("ump_device_probe", _int, device(), out("fields", _CDevice), Param("name", ctypes.c_char_p),
+                       size("len"))
+device_retain = declare("ump_device_retain", _int, device(), out("context", _uptr))
+device_release = declare("ump_device_release", _int, device())
+device_memory = declare("ump_device_memory", _int, handle("context"), out("free", _u64), out("total", _u64))
+device_can_access_peer = declare("ump_device_can_access_peer", _int, device(), device("peer"), out("can", _int))
+device_active = declare("ump_device_active", _int, device(), out("active", _int))
+context_push = declare("ump_context_push", _int, handle("context"))
+context_pop = declare("ump_context_pop", _int)
 _prefetch = declare("ump_prefetch", _int, address(), size(), device(host=True), handle("stream"))
 _advise = declare("ump_advise", _int, address(), size(), number("advice"), device(host=True))
 _error_name = declare("ump_cuda_error_name", _int, number("status"), Param("buf", ctypes.c_char_p),
@@ -219,6 +240,7 @@ fault_inject = declare("ump_fault_inject", None, _integer("after", ctypes.c_int6
                        _integer("count", ctypes.c_int64))
 fault_status = declare("ump_fault_status", None, number("status"))
 fault_delay = declare("ump_fault_delay", None, _integer("usec", ctypes.c_uint32))
+fault_signal = declare("ump_fault_signal", None, number("fd", lo=-1))
 is_forked_child = declare("ump_is_forked_child", _int)
 
 _pool, _view, _buf = number("pool"), number("view"), number("buffer")
@@ -249,7 +271,7 @@ vmm_ring_create = declare("ump_vmm_ring_create", _int, _pool, size(), out("view"
 vmm_striped_create = declare("ump_vmm_striped_create", _int, _pool, size(), out("devices", _int),
                              number("ndevices", lo=0), out("view", _int))
 vmm_view_info = declare("ump_vmm_view_info", _int, _pool, _view, out("ptr", _uptr), out("size", _u64),
-                        out("times", _CViewTimes))
+                        out("kind", _int), out("times", _CViewTimes))
 vmm_view_destroy = declare("ump_vmm_view_destroy", _int, _pool, _view)
 
 
@@ -261,12 +283,13 @@ def made(fn, what: str, *args, reasons: dict | None = None, ctype=_int) -> int:
     return value.value
 
 
-def vmm_view(pool: int, view: int) -> tuple[int, int, dict]:
-    """(address, bytes mapped, set-up times by field) of a pool's view."""
-    ptr, size, times = _uptr(), _u64(), _CViewTimes()
-    check(vmm_view_info(pool, view, ctypes.byref(ptr), ctypes.byref(size), ctypes.byref(times)),
-          "reading a view")
-    return ptr.value, size.value, {name: getattr(times, name) for name, _ in times._fields_}
+def vmm_view(pool: int, view: int) -> tuple[int, int, str, dict]:
+    """(address, bytes mapped, kind, set-up times by field) of a pool's view."""
+    ptr, size, kind, times = _uptr(), _u64(), _int(), _CViewTimes()
+    check(vmm_view_info(pool, view, ctypes.byref(ptr), ctypes.byref(size), ctypes.byref(kind),
+                        ctypes.byref(times)), "reading a view")
+    return (ptr.value, size.value, VIEW_KINDS[kind.value],
+            {name: getattr(times, name) for name, _ in times._fields_})
 
 
 def vmm_buffer(pool: int, buf: int) -> tuple[int, int]:
@@ -428,14 +451,6 @@ def cuda_load() -> None:
 
 def cuda_set_context(ctx: int, device: int) -> None:
     check(_cuda_set_context(ctx, device), f"making device {device}'s context ump's")
-
-
-#: cuMemAdvise's advice codes (cuda.h), by the names ump.advise takes.
-ADVICE = {
-    "read_mostly": 1, "unset_read_mostly": 2,
-    "preferred_location": 3, "unset_preferred_location": 4,
-    "accessed_by": 5, "unset_accessed_by": 6,
-}
 
 
 def prefetch(ptr: int, size: int, device: int, stream: int) -> None:

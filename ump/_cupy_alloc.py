@@ -1,5 +1,7 @@
-"""CuPy's memory under ump: the arena behind CuPy's pool, with the release of
-NumPy memory that CuPy views in stream order.
+"""CuPy's allocations under ump: the upstream behind CuPy's pool (the
+backend's arena, plain device memory past it where the backend's memory is
+the host's, then CuPy's own recovery), and the routing of CuPy's allocator
+to that pool, to the device's VMM pool, or through the placement policy.
 
 CuPy's own ``MemoryPool`` stays in front (``set_allocator(pool.malloc)``), so
 a CuPy allocation costs what it costs with CuPy's default pool; only a pool
@@ -8,17 +10,13 @@ miss reaches :meth:`UnifiedUpstream.__call__`.
 
 from __future__ import annotations
 
-import collections
 import gc
-import sys
-import threading
-
-import numpy
 
 from . import _core
 from ._cupy_compat import capturing
+from ._release import ReleaseQueue
 
-__all__ = ["ReleaseQueue", "UnifiedUpstream", "Lease"]
+__all__ = ["UnifiedUpstream", "CupyAllocator", "retry_after_recovery"]
 
 #: cudaErrorMemoryAllocation, the status of CuPy's CUDARuntimeError when
 #: cudaMalloc finds no memory (CuPy 14's runtime module does not export the
@@ -26,227 +24,22 @@ __all__ = ["ReleaseQueue", "UnifiedUpstream", "Lease"]
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 
 
-def _owner(array):
-    """The outermost NumPy array whose memory ``array`` views (itself if none)."""
-    while isinstance(array.base, numpy.ndarray):
-        array = array.base
-    return array
-
-
-def _refs_beyond_entries(held: dict):
-    """(array, references to it beyond its pending entries) for each array of
-    a queue's ``held`` map, counted before it is handed to the caller."""
-    for entries, array in held.values():
-        yield array, sys.getrefcount(array) - entries
-
-
-def _queue_refs() -> int:
-    """What :func:`_refs_beyond_entries` reports for an array nothing but the
-    queue refers to: the queue's own references (its ``held`` entry, the
-    count's locals), measured once on this interpreter, whose reference
-    accounting differs between versions."""
-    probe = numpy.empty(1)
-    held, pending = {id(probe): [1, probe]}, collections.deque([(1, probe)])
-    del probe
-    ((_, refs),) = _refs_beyond_entries(held)
-    del pending
-    return refs
-
-
-_QUEUE_REFS = _queue_refs()
-
-
-class ReleaseQueue:
-    """NumPy arrays that CuPy views let go of, each kept until the device it
-    was used on has been waited for as a whole.
-
-    A kernel on the memory may still be queued, and on any stream of the
-    device (a non-blocking stream, a per-thread default stream): an event
-    recorded on the stream of the thread that drops the view would not order
-    it. So an array is released only by a device-wide wait begun after it was
-    deferred: the one every host export does anyway (:meth:`wait_for`),
-    or the one :meth:`drain` does when too much is pending. One queue serves
-    the process, so arrays dropped after ``disable()`` are released too.
-    """
-
-    MAX_PENDING = 4096
-    #: Bytes of arrays that only the queue still holds before a drain: an
-    #: array the program holds too costs no memory here (a loop handing one
-    #: array to CuPy again and again drains once per MAX_PENDING views).
-    #: An array is counted by the array that owns its memory, so views of
-    #: one base the program holds (``x.T``, ``x[::2]``) cost nothing either.
-    MAX_PENDING_BYTES = 256 << 20
-    #: Views deferred between two counts of what only the queue holds, when
-    #: no new array came: a count walks every array held.
-    RECOUNT_EVERY = 64
-
-    _shared: dict = {}
-
-    @classmethod
-    def shared(cls, cupy) -> "ReleaseQueue":
-        queue = cls._shared.get(id(cupy))
-        if queue is None:
-            queue = cls._shared[id(cupy)] = cls(cupy)
-        return queue
-
-    def __init__(self, cupy, *, device_count: int | None = None, active_devices=None):
-        self.cupy = cupy
-        self._device_count = device_count  # read at the first wait when None
-        self._active_devices = active_devices or _devices_with_contexts
-        self._pending: dict[int, collections.deque] = {}  # device -> (sequence, array)
-        self._held: dict[int, list] = {}  # id(owner) -> [entries pending, owner]
-        self._count = 0
-        self._bytes = 0
-        self._counted_at = None  # self._count at the last count of bytes only held here
-        # Arrays handed over but not yet queued. defer() runs in Lease.__del__,
-        # wherever CuPy's view dies: in a collection inside any allocation,
-        # or in this queue's own release of an array (a host view from
-        # cupy.asnumpy holds a CuPy view of another NumPy array), so on a
-        # thread that may hold the lock. It appends here, which takes no
-        # lock, and queues only when the lock is free at once.
-        self._inbox: collections.deque = collections.deque()  # (owner, device)
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return sum(len(q) for q in self._pending.values()) + len(self._inbox)
-
-    def defer(self, array, device: int) -> None:
-        """Take ``array``, whose view on ``device`` CuPy dropped."""
-        self._inbox.append((_owner(array), device))  # holding it keeps the view's memory alive
-        if not self._lock.acquire(blocking=False):
-            return  # its holder, or the next call, queues it
-        try:
-            full = self._queue_inbox()
-        finally:
-            self._lock.release()
-        if full:
-            self.drain()
-
-    def _queue_inbox(self) -> bool:
-        """Queue the arrays handed over (under the lock); whether too much is pending.
-
-        An array is numbered here, not when it was handed over: a number
-        past a wait's mark only keeps it longer."""
-        while self._inbox:
-            owner, device = self._inbox.popleft()
-            self._count += 1
-            held = self._held.get(id(owner))
-            if held is None:
-                held = self._held[id(owner)] = [0, owner]
-                self._bytes += owner.nbytes
-                self._counted_at = None  # a new array: count again
-            held[0] += 1
-            self._pending.setdefault(device, collections.deque()).append((self._count, owner))
-        return len(self) > self.MAX_PENDING or self._over_bytes()
-
-    def _over_bytes(self) -> bool:
-        """Whether the arrays only the queue holds are past the bound (under the lock)."""
-        if self._bytes <= self.MAX_PENDING_BYTES:
-            return False
-        if self._counted_at is not None and self._count - self._counted_at < self.RECOUNT_EVERY:
-            return False
-        self._counted_at = self._count
-        only_here = sum(owner.nbytes for owner, refs in _refs_beyond_entries(self._held) if refs <= _QUEUE_REFS)
-        return only_here > self.MAX_PENDING_BYTES
-
-    def mark(self) -> int:
-        """Call before a device-wide wait; pass the result to :meth:`synchronized`."""
-        with self._lock:
-            self._queue_inbox()  # handed over before the wait: released by it
-            return self._count
-
-    def synchronized(self, device: int, mark: int) -> None:
-        """A wait for all of ``device``'s work begun at ``mark`` has returned:
-        release what was deferred on it before."""
-        released = []  # dropped after the lock: dropping one can hand the queue another
-        with self._lock:
-            queue = self._pending.get(device)
-            while queue and queue[0][0] <= mark:
-                owner = queue.popleft()[1]
-                held = self._held[id(owner)]
-                held[0] -= 1
-                if not held[0]:
-                    del self._held[id(owner)]
-                    self._bytes -= owner.nbytes
-                    released.append(owner)
-
-    def wait_for(self, device: int | None = None) -> None:
-        """Wait for all of ``device``'s work (the current device's if None),
-        and on several GPUs for every GPU with work of this process; then
-        release what was deferred on them before the wait began."""
-        current = self.cupy.cuda.runtime.getDevice()
-        self._wait([current if device is None else device], current)
-
-    def drain(self) -> None:
-        """Wait for every device with pending arrays and release them all;
-        while the current stream captures a CUDA graph (a wait would
-        invalidate the capture), keep them for a later wait."""
-        if capturing(self.cupy):
-            return
-        with self._lock:
-            self._queue_inbox()
-            pending = [d for d, q in self._pending.items() if q]
-        if pending:
-            self._wait(pending, self.cupy.cuda.runtime.getDevice())
-
-    def _wait(self, devices: list[int], current: int) -> None:
-        cuda = self.cupy.cuda
-        mark = self.mark()
-        if self._device_count is None:
-            self._device_count = cuda.runtime.getDeviceCount()
-        if self._device_count > 1:
-            # A kernel or copy on one GPU writes another's memory through
-            # peer access (CuPy runs a cross-device copy on the current
-            # device): the memory's own device may have nothing queued.
-            devices = sorted(set(devices).union(self._active_devices()))
-        for d in devices:
-            if d == current:
-                cuda.runtime.deviceSynchronize()
-            else:
-                with cuda.Device(d):
-                    cuda.runtime.deviceSynchronize()
-        for d in devices:
-            self.synchronized(d, mark)
-
-
-_device_handles: list = []  # CUdevice of each GPU, read once
-
-
-def _devices_with_contexts() -> list[int]:
-    """The GPUs on which this process has an active primary context (CuPy's
-    and ump's): the only ones that can have work of it queued. One driver
-    call per GPU (the handles are read once): this runs at every host
-    export on a machine with several GPUs."""
-    from cuda.bindings import driver
-
-    from ._errors import UmpError
-    from ._probe import _call, _DriverError
-
-    try:
-        if not _device_handles:
-            _device_handles[:] = [_call(driver.cuDeviceGet, d) for d in range(_call(driver.cuDeviceGetCount))]
-        return [d for d, handle in enumerate(_device_handles)
-                if _call(driver.cuDevicePrimaryCtxGetState, handle)[1]]
-    except _DriverError as err:
-        raise UmpError(f"finding the GPUs to wait for: {err}") from err
-
-
-class Lease:
-    """Owner of a CuPy view of NumPy memory: hands the NumPy array to the
-    release queue when CuPy drops the view."""
-
-    __slots__ = ("array", "queue", "device", "__weakref__")  # the placement follows it weakly
-
-    def __init__(self, array, queue: ReleaseQueue, device: int):
-        self.array = array
-        self.queue = queue
-        self.device = device
-
-    def __del__(self):
-        try:
-            self.queue.defer(self.array, self.device)
-        except Exception:  # interpreter shutdown: nothing runs any more
-            pass
+def retry_after_recovery(attempt, free=None):
+    """What CuPy's pool does on an allocation error, which code written for
+    stock CuPy relies on: ``attempt()`` again after ``free()`` (what can be
+    given back now, where there is such a step), then again after
+    ``gc.collect()`` and ``free()``: arrays that only reference cycles keep
+    alive (a traceback, say) give back their memory once collected. What the
+    first attempt that succeeds returns, or None."""
+    for collect in (False, True) if free is not None else (True,):
+        if collect:
+            gc.collect()
+        if free is not None:
+            free()
+        got = attempt()
+        if got is not None:
+            return got
+    return None
 
 
 class _Chunk:
@@ -322,26 +115,30 @@ class UnifiedUpstream:
     def __call__(self, size: int):
         device = self.cupy.cuda.runtime.getDevice()  # CuPy's pool asks on its own device
         arena = self.arena if device == self.device or self.arena_for is None else self.arena_for(device)
-        got, status = self._try(arena, device, size)
-        if got is not None:
+        statuses = []
+
+        def attempt():
+            got, status = self._try(arena, device, size)
+            statuses.append(status)
             return got
-        # What CuPy's pool does on an allocation error, done here so the
-        # final error is ump's: release NumPy arrays whose kernels are done
-        # and the blocks the pool caches, then collect arrays only reference
-        # cycles keep (a traceback, say), retrying after each step. This runs
-        # outside the pool's lock, as CuPy's own retry does.
+
         # While a graph is captured the cached blocks stay: freeing a chunk
         # waits for the device, which would invalidate the capture.
         free_cached = not capturing(self.cupy)
-        for collect in (False, True):
-            if collect:
-                gc.collect()
-            self.release.drain()
+
+        def free():
+            self.release.drain()  # NumPy arrays whose kernels are done
             if free_cached:
                 self.pool.free_all_blocks()
-            got, status = self._try(arena, device, size)
-            if got is not None:
-                return got
+
+        # CuPy's recovery done here, so the final error is ump's; it runs
+        # outside the pool's lock, as CuPy's own retry does.
+        got = attempt()
+        if got is None:
+            got = retry_after_recovery(attempt, free)
+        if got is not None:
+            return got
+        status = statuses[-1]
         stats = arena.statistics()
         raise self.error_class(
             f"CuPy asked for {size} bytes: the {self.backend_name} backend's budget of "
@@ -349,3 +146,65 @@ class UnifiedUpstream:
             + (" and the device has no memory left" if self.spill else "")
             + " (set the budget with ump.enable(cap=..., headroom=...))",
             _core.error_name(status or _core.ERR_CAP), size, stats.held_bytes, stats.cap_bytes)
+
+
+class CupyAllocator:
+    """Where CuPy's allocations go while ump is enabled: CuPy's own
+    ``MemoryPool`` over :class:`UnifiedUpstream` (the backend's arena), or,
+    with backend ``"device"``, the VMM pool of the device CuPy is on; through
+    the placement policy while it watches for a block's reuse."""
+
+    def __init__(self, cupy, backend, arena, device: int, release: ReleaseQueue, error_class,
+                 pool=None, pool_for=None, arena_for=None):
+        self.cupy = cupy
+        self.device = device
+        self.vmm = pool is not None  # backend "device": a VMM pool per device
+        self.pool_for = pool_for  # device -> the VMM pool of another device
+        self.placement = None  # told of CuPy's blocks: see follow()
+        self._upstream = None
+        if pool is None:
+            self._upstream = UnifiedUpstream(cupy, arena, backend.name, release, error_class,
+                                             spill=backend.spills_to_device, device=device,
+                                             arena_for=arena_for)
+            pool = self._upstream.pool = cupy.cuda.MemoryPool(self._upstream)
+        self.pool = pool
+        self.saved = None  # the allocator CuPy had
+
+    def follow(self, placement) -> None:
+        """Tell ``placement`` of the blocks CuPy's pool gives back, and of
+        CuPy's allocations while it watches (:meth:`watch`)."""
+        self.placement = placement
+        if self._upstream is not None:
+            self._upstream.on_free = placement.on_block_freed
+
+    def install(self) -> None:
+        self.saved = self.cupy.cuda.get_allocator()
+        self.cupy.cuda.set_allocator(self._malloc_on_current_device if self.vmm else self.pool.malloc)
+
+    def restore(self) -> None:
+        """Put back the allocator CuPy had (nothing, if none was replaced)."""
+        if self.saved is not None:
+            self.cupy.cuda.set_allocator(self.saved)
+
+    def watch(self, on: bool) -> bool:
+        """Route CuPy's allocations through the placement policy (on) or
+        straight to the pool (off); answer whether they now go through it.
+        An allocator the program set itself is left alone."""
+        cuda = self.cupy.cuda
+        plain, watched = self.pool.malloc, self.watched_malloc
+        target, other = (watched, plain) if on else (plain, watched)
+        if cuda.get_allocator() == other:
+            cuda.set_allocator(target)
+        return cuda.get_allocator() == watched
+
+    def watched_malloc(self, size):
+        mem = self.pool.malloc(size)
+        self.placement.on_cupy_malloc(mem.ptr, size)
+        return mem
+
+    def _malloc_on_current_device(self, size):
+        """Backend "device": allocate from the pool of the device CuPy is on
+        (CuPy's own MemoryPool is per device inside; a VMM pool is not)."""
+        device = self.cupy.cuda.runtime.getDevice()
+        pool = self.pool if device == self.device else self.pool_for(device)
+        return pool.malloc(size)

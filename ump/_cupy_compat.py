@@ -17,7 +17,7 @@ import sys
 
 from ._errors import OutOfMemoryError, UmpError
 
-__all__ = ["import_cupy", "check_cupy", "Patches", "out_of_memory_error", "set_capsule_device",
+__all__ = ["import_cupy", "cupy_module", "check_cupy", "Patches", "out_of_memory_error", "set_capsule_device",
            "sync_declarer", "capturing", "KDL_CPU", "KDL_CUDA", "KDL_CUDA_MANAGED"]
 
 #: CuPy releases whose internals ump was checked against (major versions).
@@ -112,6 +112,14 @@ def import_cupy():
         if builtin_ump_active(cupy):  # pragma: no cover - a CuPy the checks missed
             raise UmpError("CuPy's built-in UMP path is still on after ump turned it off")
     return cupy
+
+
+def cupy_module():
+    """CuPy as the program imported it, or imported for ump (:func:`import_cupy`)
+    if no one did yet: what ump's CuPy arrays over its own memory are made
+    with."""
+    cupy = sys.modules.get("cupy")
+    return cupy if cupy is not None else import_cupy()
 
 
 def _clear_flag(module, symbol: bytes) -> None:

@@ -29,17 +29,18 @@ do then, and exports to GPU libraries wait for nothing.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy
 
 from . import _core
-from ._cupy_alloc import Lease, ReleaseQueue, UnifiedUpstream
-from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, Patches, capturing,
-                           out_of_memory_error, set_capsule_device, sync_declarer)
+from ._cupy_alloc import CupyAllocator
+from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, capturing, out_of_memory_error,
+                           set_capsule_device, sync_declarer)
+from ._cupy_patch import CupyPatches
 from ._errors import UmpError
 from ._placement import Placement
+from ._release import Lease, ReleaseQueue
 
 __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
 
@@ -95,31 +96,29 @@ class _Export:
 
 
 class CupyHook:
-    """Everything ump changes in CuPy while enabled, and how to undo it."""
+    """Everything ump changes in CuPy while enabled, and how to undo it: the
+    conversions between NumPy and CuPy and every export (this class), CuPy's
+    allocator (:class:`~ump._cupy_alloc.CupyAllocator`) and the entry points
+    that call the conversions (:class:`~ump._cupy_patch.CupyPatches`)."""
 
     def __init__(self, cupy, backend, arena, options, headroom: int, pool=None, pool_for=None,
                  arena_for=None, numpy_arena: int = -1):
         self.cupy = cupy
         self.numpy_arena = numpy_arena  # NumPy's arena id: its blocks are not CuPy's results
         self.device = options.device
-        self.pool_for = pool_for  # backend "device": the VMM pool of another device
         self.backend = backend
         self.options = options
         self.release = ReleaseQueue.shared(cupy)
-        self.placement = Placement(cupy, options, headroom, watch=self._watch_allocations)
         self.out_of_memory = out_of_memory_error(cupy)
         self._declare_synchronize = sync_declarer(cupy)  # read once: every export calls it
+        self.allocator = CupyAllocator(cupy, backend, arena, self.device, self.release, self.out_of_memory,
+                                       pool=pool, pool_for=pool_for, arena_for=arena_for)
+        self.placement = Placement(cupy, options, headroom, watch=self.allocator.watch)
+        self.allocator.follow(self.placement)
+        self.pool = self.allocator.pool
         # backend "device": a VMM pool, and NumPy <-> CuPy are copies
-        self.copies = pool is not None
-        if pool is None:
-            upstream = UnifiedUpstream(cupy, arena, backend.name, self.release, self.out_of_memory,
-                                       spill=backend.spills_to_device, device=self.device,
-                                       arena_for=arena_for, on_free=self.placement.on_block_freed)
-            pool = upstream.pool = cupy.cuda.MemoryPool(upstream)
-        self.pool = pool
-        self._patches = None
-        self._original = {}
-        self._saved_allocator = None
+        self.copies = self.allocator.vmm
+        self.patches = CupyPatches(cupy, self)
 
     # --- waiting for the GPU -------------------------------------------------
     def synchronize(self, stream=None, device=None, exporting=None) -> float:
@@ -196,7 +195,7 @@ class CupyHook:
 
     def array(self, obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
         """Stands in for ``cupy._core.array``."""
-        original = self._original["array"]
+        original = self.patches.original["array"]
         if isinstance(obj, numpy.ndarray):
             if dtype is not None and numpy.dtype(dtype) != obj.dtype and copy is not False:
                 # Stock CuPy casts with NumPy on the host; so does ump, into
@@ -300,7 +299,7 @@ class CupyHook:
             # CuPy copies on `stream` (or the current one) only: a kernel
             # another stream queued on the array must finish first.
             self.synchronize(stream, g.data.device_id)
-        return self._original["get"](g, stream=stream, order=order, out=out, blocking=blocking)
+        return self.patches.original["get"](g, stream=stream, order=order, out=out, blocking=blocking)
 
     def host_array(self, g, dtype=None, copy=None):
         """``numpy.asarray(g)`` under ump: shared where the memory is
@@ -330,7 +329,7 @@ class CupyHook:
         same address after the wait, a host copy if it asks for one, and
         device memory as CuPy exports it (NumPy refuses ``kDLCUDA``)."""
         kwargs = {} if max_version is None else {"max_version": max_version}
-        original = self._original["__dlpack__"]
+        original = self.patches.original["__dlpack__"]
         to_cpu = dl_device is not None and dl_device[0] == KDL_CPU
         if to_cpu or (dl_device is None and stream is None):
             view = self.host_view(g)
@@ -350,12 +349,12 @@ class CupyHook:
 
     def cuda_capsule(self, g, capsule):
         """``capsule`` of ``g``, with managed memory reported as ``kDLCUDA``."""
-        if self._original["__dlpack_device__"](g)[0] == KDL_CUDA_MANAGED:
+        if self.patches.original["__dlpack_device__"](g)[0] == KDL_CUDA_MANAGED:
             set_capsule_device(capsule, KDL_CUDA)
         return capsule
 
     def dlpack_device(self, g):
-        kind, device = self._original["__dlpack_device__"](g)
+        kind, device = self.patches.original["__dlpack_device__"](g)
         return (KDL_CUDA, device) if kind == KDL_CUDA_MANAGED else (kind, device)
 
     # --- install / uninstall -----------------------------------------------
@@ -363,122 +362,24 @@ class CupyHook:
         """Patch CuPy and set its allocator; on any failure put back what
         was changed."""
         try:
-            self._install()
+            self.patches.install()
+            self.allocator.install()
         except BaseException:
-            if self._patches is not None:
-                self._patches.restore()
-            if self._saved_allocator is not None:
-                self.cupy.cuda.set_allocator(self._saved_allocator)
+            self.patches.restore()
+            self.allocator.restore()
             raise
-
-    def _install(self):
-        cupy, hook = self.cupy, self
-        nd = cupy.ndarray
-        original = self._original
-        original.update(array=cupy._core.array, get=nd.get, __dlpack__=nd.__dlpack__,
-                        __dlpack_device__=nd.__dlpack_device__, toDlpack=nd.toDlpack)
-        cai = nd.__cuda_array_interface__
-
-        def get(self, stream=None, order="C", out=None, blocking=True):
-            return hook.get(self, stream=stream, order=order, out=out, blocking=blocking)
-
-        def array_interface(self):
-            iface = hook.export(self)
-            if iface is None:
-                raise AttributeError("__array_interface__: this CuPy array is not in host-visible "
-                                     "ump memory")
-            return iface
-
-        def array_(self, dtype=None, copy=None):
-            return hook.host_array(self, dtype, copy)
-
-        def cuda_array_interface(self):
-            # A wait for the whole device, whatever ump.enable(sync=...)
-            # says: the stream CuPy names is only the current one, and the
-            # array may have been written on any.
-            waited = hook.wait_before_gpu_export(self.data.device_id)
-            desc = cai.__get__(self)
-            # The device is done with the array, so no stream is named for
-            # the consumer to wait on. A stream named would also become
-            # Numba's stream for the array, on which its copy_to_host() is
-            # asynchronous: into ump's NumPy memory (pinned or managed) it
-            # returns before the copy has ended (stock NumPy memory is
-            # pageable, and the copy into it returns when done). While a
-            # graph is captured CuPy's stream stays: the consumer's work is
-            # captured on it.
-            if waited and "stream" in desc:
-                desc["stream"] = None
-            return desc
-
-        def dlpack(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-            return hook.dlpack(self, stream=stream, max_version=max_version, dl_device=dl_device,
-                               copy=copy)
-
-        def dlpack_device(self):
-            return hook.dlpack_device(self)
-
-        def to_dlpack(self):
-            hook.wait_before_gpu_export(self.data.device_id)
-            return hook.cuda_capsule(self, original["toDlpack"](self))
-
-        for fn, like in ((get, original["get"]), (dlpack, original["__dlpack__"]),
-                         (to_dlpack, original["toDlpack"])):
-            fn.__doc__ = like.__doc__
-
-        self._saved_allocator = cupy.cuda.get_allocator()
-        patches = self._patches = Patches()  # restorable from the first change on
-        patches.set(cupy._core, "array", self.array)
-        for name, value in (("get", get), ("__array_interface__", property(array_interface)),
-                            ("__array__", array_), ("__cuda_array_interface__", property(cuda_array_interface)),
-                            ("__dlpack__", dlpack), ("__dlpack_device__", dlpack_device),
-                            ("toDlpack", to_dlpack)):
-            patches.set(nd, name, value)
-        if sys.version_info >= (3, 12):
-            def buffer(self, flags):
-                view = hook.host_view(self)
-                if view is None:
-                    raise BufferError("this CuPy array is in device memory, which the host cannot "
-                                      "read in place: use cupy.asnumpy()")
-                return memoryview(view)
-
-            patches.set(nd, "__buffer__", buffer)
-        cupy.cuda.set_allocator(self._malloc_on_current_device if self.copies else self.pool.malloc)
-
-    def _watch_allocations(self, on: bool) -> bool:
-        """Route CuPy's allocations through the placement policy (on) or
-        straight to the pool (off); answer whether they now go through it.
-        An allocator the program set itself is left alone."""
-        cuda = self.cupy.cuda
-        plain, watched = self.pool.malloc, self._watched_malloc
-        target, other = (watched, plain) if on else (plain, watched)
-        if cuda.get_allocator() == other:
-            cuda.set_allocator(target)
-        return cuda.get_allocator() == watched
-
-    def _watched_malloc(self, size):
-        mem = self.pool.malloc(size)
-        self.placement.on_cupy_malloc(mem.ptr, size)
-        return mem
-
-    def _malloc_on_current_device(self, size):
-        """Backend "device": allocate from the pool of the device CuPy is on
-        (CuPy's own MemoryPool is per device inside; a VMM pool is not)."""
-        device = self.cupy.cuda.runtime.getDevice()
-        pool = self.pool if device == self.device else self.pool_for(device)
-        return pool.malloc(size)
 
     def uninstall(self, cuda: bool = True):
         """Put CuPy's allocator and methods back; with ``cuda`` False (a
         forked child, which must not call CUDA) without the waits and the
         clean-up, each of which calls CUDA: what they would release stays
         with the process until it exits."""
-        cupy = self.cupy
-        cupy.cuda.set_allocator(self._saved_allocator)
+        self.allocator.restore()
         if not cuda:
-            self._patches.restore()
+            self.patches.restore()
             return
         self.placement.close()
-        self._patches.restore()
+        self.patches.restore()
         # Not self.synchronize(): disable() must not fail half-way under
         # cupyx.allow_synchronize(False).
         self.release.wait_for()

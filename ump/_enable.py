@@ -9,9 +9,9 @@ import os
 import threading
 import warnings
 
-from . import _core, _cupy_compat, _cupy_hook, _numpy_hook, _vmm, backends
+from . import _core, _cupy_compat, _cupy_hook, _devices, _driver, _numpy_hook, _probe, backends
 from ._errors import UmpError, UmpWarning
-from ._options import MIN_CAP, Options, check_device_index
+from ._options import Options, check_device_index
 from ._probe import probe
 from ._version import pip_install
 
@@ -31,55 +31,10 @@ class State:
 _lock = threading.RLock()
 _state: State | None = None
 _retired: list = []  # hooks of earlier enables: their pools own live CuPy blocks
-_device_pools: dict = {}  # device -> the VMMPool backend="device" uses, kept across enables
 
 
 def current() -> State | None:
     return _state
-
-
-_contexts: dict = {}  # device -> its primary context, retained once for the process
-_device_arenas: dict = {}  # device -> the CuPy-side arena of a GPU other than the enabled one
-
-
-def _gpu_context(device: int) -> tuple[int, int, int]:
-    """The device's primary context (CuPy's too), retained once; (context,
-    free bytes, total bytes)."""
-    from cuda.bindings import driver
-
-    from ._probe import _call, _DriverError
-
-    try:
-        ctx = _contexts.get(device)
-        if ctx is None:
-            ctx = _contexts[device] = _call(driver.cuDevicePrimaryCtxRetain, _call(driver.cuDeviceGet, device))
-        _call(driver.cuCtxPushCurrent, ctx)
-        try:
-            free, total = _call(driver.cuMemGetInfo)
-        finally:
-            _call(driver.cuCtxPopCurrent)
-    except _DriverError as err:
-        hint = ": the GPU has no room for a CUDA context; free memory on it" if (
-            err.cuda_error == "CUDA_ERROR_OUT_OF_MEMORY") else ""
-        raise UmpError(f"setting up the CUDA context of device {device}{hint}: {err.message}",
-                       err.cuda_error) from err
-    return int(ctx), int(free), int(total)
-
-
-def _new_device_pool(device: int, **limits) -> _vmm.VMMPool:
-    """A VMM pool for CuPy on ``device``, reachable from every GPU that can
-    reach it: stock CuPy's memory is, once CuPy enables peer access (which it
-    does by itself for a cross-device copy), and cudaDeviceEnablePeerAccess
-    does not reach VMM mappings."""
-    pool = _vmm.VMMPool(device, **limits)
-    try:
-        for peer in range(len(probe().devices)):
-            if peer != device and _vmm.can_access_peer(peer, device) and _vmm.can_access_peer(device, peer):
-                pool.grant(peer)
-    except BaseException:
-        pool.close()
-        raise
-    return pool
 
 
 def _cupy_arena_on(chosen: backends.Backend, opts: Options, main: _core.Arena, device: int) -> _core.Arena:
@@ -91,32 +46,20 @@ def _cupy_arena_on(chosen: backends.Backend, opts: Options, main: _core.Arena, d
     Chunks of plain host memory (system) have no context: the main arena."""
     if chosen.provider == _core.PROVIDER_HOST:
         return main
-    with _lock:
-        arena = _device_arenas.get(device)
-        if arena is None:
-            check_device_index(device)
-            ctx, free, total = _gpu_context(device)
-            if chosen.gpu_resident:
-                try:
-                    cap = _budgets(chosen, opts, (free, total))[1]
-                except UmpError:
-                    cap = 0  # no room on that GPU: CuPy's allocations there are out of memory
-                budget = device
-            else:
-                cap, budget = main.statistics().cap_bytes, -1
-            arena = _device_arenas[device] = _core.Arena(chosen.name, chosen.provider, cap, cupy_side=True,
-                                                         device=budget, context=ctx)
-        return arena
+    check_device_index(device)
 
+    def make(ctx: int, free: int, total: int) -> _core.Arena:
+        if chosen.gpu_resident:
+            try:
+                cap = _budgets(chosen, opts, (free, total))[1]
+            except UmpError:
+                cap = 0  # no room on that GPU: CuPy's allocations there are out of memory
+            budget = device
+        else:
+            cap, budget = main.statistics().cap_bytes, -1
+        return _core.Arena(chosen.name, chosen.provider, cap, cupy_side=True, device=budget, context=ctx)
 
-def _device_pool(device: int) -> _vmm.VMMPool:
-    """The VMM pool of a device other than the enabled one, made at its first
-    use by CuPy (bounded by that device's memory)."""
-    with _lock:
-        pool = _device_pools.get(device)
-        if pool is None:
-            pool = _device_pools[device] = _new_device_pool(device)
-        return pool
+    return _devices.cupy_arena(device, make)
 
 
 def _as_options(options) -> Options:
@@ -156,15 +99,15 @@ def _budgets(chosen: backends.Backend, opts: Options, device: tuple[int, int] | 
     cap = opts.cap
     if cap is None:
         caps = chosen.default_cap(free, headroom), chosen.cupy_cap(free, headroom)
-        if min(caps) < MIN_CAP:
+        if min(caps) < _core.CHUNK_MIN:
             where = (f"the device has {free} bytes free and the headroom is {headroom}" if free is not None
-                     else f"the host has {backends.host_available_bytes()} bytes available")
+                     else f"the host has {_probe.host_available_bytes()} bytes available")
             raise UmpError(f"no room for the {chosen.name} backend's budget: {where}; free memory, "
                            "or set cap= (and headroom=) explicitly")
         return (*caps, headroom)
     if isinstance(cap, float):
-        basis = free if free is not None else backends.host_available_bytes()
-        cap = max(int(basis * cap), MIN_CAP)
+        basis = free if free is not None else _probe.host_available_bytes()
+        cap = max(int(basis * cap), _core.CHUNK_MIN)
     if free is not None and chosen.uses_gpu and not chosen.vmm_pool and cap > free - headroom:
         warnings.warn(f"cap={cap} bytes is more than the device's free memory less the headroom "
                       f"({free - headroom} bytes): {chosen.name} memory beyond what the GPU holds can "
@@ -247,43 +190,13 @@ def enable(backend: str = "auto", **options) -> str:
                 f"ump is already enabled with backend {_state.backend.name!r}; this call differs "
                 f"({_differences(_state, backend, opts)}): call ump.disable() first"
             )
-        caps = probe()
-        chosen = backends.select(backend, caps, opts.device)
-        device = cupy = None
-        if chosen.uses_gpu:
-            if os.environ.get("CUPY_ENABLE_UMP") != "1" and os.environ.get(LAUNCHED) != "1":
-                raise UmpError(
-                    "CUPY_ENABLE_UMP=1 is not set: set it in the environment before Python "
-                    "starts (export CUPY_ENABLE_UMP=1), then call ump.enable(); or start the "
-                    "program with `python -m ump run`"
-                )
-            cupy = _import_cupy(chosen)
-            _core.cuda_load()
-            ctx, free, total = _gpu_context(opts.device)
-            device = (free, total)
-            _core.cuda_set_context(ctx, opts.device)
+        chosen = backends.select(backend, probe(), opts.device)
+        cupy, device = _gpu_side(chosen, opts) if chosen.uses_gpu else (None, None)
         numpy_cap, cupy_cap, headroom = _budgets(chosen, opts, device)
         numpy_arena = _core.Arena(chosen.numpy_arena_kind, chosen.provider, numpy_cap, chosen.advise_host)
-        cupy_arena = hook = pool = None
+        cupy_arena = hook = None
         if cupy is not None:
-            if chosen.vmm_pool:
-                pool = _device_pools.get(opts.device)
-                if pool is None:
-                    pool = _device_pools[opts.device] = _new_device_pool(opts.device, limit=cupy_cap)
-                else:
-                    # free memory no longer counts what the pool already holds
-                    pool.set_limit(cupy_cap if opts.cap is not None else cupy_cap + pool.total_bytes())
-            else:
-                # Its own arena even where the chunks are alike: statistics
-                # then tell NumPy's blocks from those CuPy's pool caches.
-                cupy_arena = _core.Arena(chosen.name, chosen.provider, cupy_cap, cupy_side=True)
-            _device_arenas.clear()  # made again under this enable's options (the same C arenas)
-            arena_for = None if cupy_arena is None else functools.partial(_cupy_arena_on, chosen, opts, cupy_arena)
-            hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts, headroom, pool=pool,
-                                       pool_for=_device_pool, arena_for=arena_for,
-                                       numpy_arena=numpy_arena.id)
-            with cupy.cuda.Device(opts.device):
-                hook.install()
+            cupy_arena, hook = _install_cupy(cupy, chosen, opts, (cupy_cap, headroom), numpy_arena)
         try:
             _numpy_hook.install(numpy_arena.id)
         except BaseException:
@@ -292,6 +205,49 @@ def enable(backend: str = "auto", **options) -> str:
             raise
         _state = State(chosen, opts, backend, numpy_arena, cupy_arena, hook)
         return chosen.name
+
+
+def _gpu_side(chosen: backends.Backend, opts: Options):
+    """(CuPy, (free, total) bytes of the device) for a GPU backend, with the
+    device's primary context made ump's."""
+    if os.environ.get("CUPY_ENABLE_UMP") != "1" and os.environ.get(LAUNCHED) != "1":
+        raise UmpError(
+            "CUPY_ENABLE_UMP=1 is not set: set it in the environment before Python "
+            "starts (export CUPY_ENABLE_UMP=1), then call ump.enable(); or start the "
+            "program with `python -m ump run`"
+        )
+    cupy = _import_cupy(chosen)
+    _driver.load()
+    ctx, free, total = _devices.context(opts.device)
+    _core.cuda_set_context(ctx, opts.device)
+    return cupy, (free, total)
+
+
+def _install_cupy(cupy, chosen: backends.Backend, opts: Options, budget: tuple[int, int],
+                  numpy_arena: _core.Arena):
+    """(CuPy's arena or None, the installed hook): CuPy's memory from its
+    own arena, or from the device's VMM pool (backend "device")."""
+    cupy_cap, headroom = budget
+    cupy_arena = pool = None
+    if chosen.vmm_pool:
+        pool = _devices.existing_vmm_pool(opts.device)
+        if pool is None:
+            pool = _devices.vmm_pool(opts.device, limit=cupy_cap)
+        else:
+            # free memory no longer counts what the pool already holds
+            pool.set_limit(cupy_cap if opts.cap is not None else cupy_cap + pool.total_bytes())
+    else:
+        # Its own arena even where the chunks are alike: statistics then
+        # tell NumPy's blocks from those CuPy's pool caches.
+        cupy_arena = _core.Arena(chosen.name, chosen.provider, cupy_cap, cupy_side=True)
+    _devices.forget_cupy_arenas()  # made again under this enable's options (the same C arenas)
+    arena_for = None if cupy_arena is None else functools.partial(_cupy_arena_on, chosen, opts, cupy_arena)
+    hook = _cupy_hook.CupyHook(cupy, chosen, cupy_arena, opts, headroom, pool=pool,
+                               pool_for=_devices.vmm_pool, arena_for=arena_for,
+                               numpy_arena=numpy_arena.id)
+    with cupy.cuda.Device(opts.device):
+        hook.install()
+    return cupy_arena, hook
 
 
 def disable() -> bool:

@@ -16,7 +16,7 @@ import os
 import re
 from typing import Any, Callable
 
-__all__ = ["Option", "Options", "TABLE", "BACKEND", "BACKENDS", "PLACEMENTS", "SYNCS", "MIN_CAP", "argparse_type",
+__all__ = ["Option", "Options", "TABLE", "BACKEND", "BACKENDS", "PLACEMENTS", "SYNCS", "min_cap", "argparse_type",
            "parse_size", "resolve"]
 
 #: The backends' names, in the order ``python -m ump info`` lists them
@@ -24,8 +24,6 @@ __all__ = ["Option", "Options", "TABLE", "BACKEND", "BACKENDS", "PLACEMENTS", "S
 BACKENDS = ("system", "managed", "pinned", "device", "host")
 PLACEMENTS = ("auto", "host", "migrate")
 SYNCS = ("device", "stream")
-#: The smallest cap: one chunk of the arena (csrc/arena.c, SLAB_MIN).
-MIN_CAP = 2 << 20
 
 # Units as dask.utils.parse_bytes reads them: k, kB = 1000; ki, kiB = 1024.
 _PREFIXES = "kmgtp"
@@ -110,10 +108,19 @@ def _check_index(name, value):
     return check_device_index(value, name)
 
 
+def min_cap() -> int:
+    """The smallest cap: one chunk of an arena (csrc/ump.h, UMP_CHUNK_MIN),
+    read from the C core when a cap is checked, so reading the table loads
+    no extension."""
+    from . import _ucore
+
+    return _ucore.UMP_CHUNK_MIN
+
+
 def _check_cap(name, value):
     if value is None:
         return None
-    return check_budget(name, value, MIN_CAP, " (one chunk at least: a smaller cap would send every "
+    return check_budget(name, value, min_cap(), " (one chunk at least: a smaller cap would send every "
                                               "array to plain memory)")
 
 

@@ -1,8 +1,9 @@
 """What this machine can do: GPUs, their memory-model attributes, versions.
 
-The probe uses only driver calls that need no CUDA context (cuInit,
-cuDeviceGetAttribute, cuMemGetAllocationGranularity), so probing never
-creates one; importing ump does not even probe.
+The probe reads the devices through the C core (csrc/device.c) with driver
+calls that need no CUDA context (cuInit, cuDeviceGetAttribute,
+cuMemGetAllocationGranularity), so probing never creates one; importing ump
+does not even probe.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
 import platform
 
 from ._errors import UmpError
 from ._options import check_device_index
 from ._version import pip_install
 
-__all__ = ["Capabilities", "DeviceInfo", "probe"]
+__all__ = ["Capabilities", "DeviceInfo", "probe", "host_available_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,58 +148,34 @@ CUDA_BINDINGS_MISSING = (f"cuda-bindings is not installed: {pip_install('cuda12'
                          "matching the CUDA major version of the driver")
 
 
-class _DriverError(UmpError):
-    """A CUDA driver call failed; ``cuda_error`` names CUDA's error. An
-    :class:`UmpError`, so a failure no caller expected still reaches users
-    as one of ump's errors."""
+def _bindings_missing() -> str | None:
+    """Why ump does not use the GPU for want of cuda-bindings, or None. A GPU
+    is one ump uses where cuda-bindings is installed (the cuda12/cuda13
+    extras), since sharing memory between processes needs it. Found, not
+    imported: the probe reads the devices through the C core, and importing
+    cuda-bindings' driver module would cost a program started by
+    ``python -m ump run`` tens of milliseconds."""
+    try:
+        found = importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):  # None in sys.modules, or a broken parent package
+        found = False
+    return None if found else CUDA_BINDINGS_MISSING
 
 
-def _call(fn, *args):
-    from cuda.bindings import driver
-
-    err, *values = fn(*args)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise _DriverError(f"{fn.__name__} failed", name.decode() if name else str(err))
-    return values[0] if len(values) == 1 else values
-
-
-def _probe_device(driver, index: int) -> DeviceInfo:
-    dev = _call(driver.cuDeviceGet, index)
-    A = driver.CUdevice_attribute
-
-    def attr(name: str) -> int:
-        return int(_call(driver.cuDeviceGetAttribute, getattr(A, name), dev))
-
-    vmm = bool(attr("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"))
-    gran = rec = 0
-    if vmm:
-        prop = driver.CUmemAllocationProp()
-        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = index
-        G = driver.CUmemAllocationGranularity_flags
-        gran = int(_call(driver.cuMemGetAllocationGranularity, prop,
-                         G.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
-        rec = int(_call(driver.cuMemGetAllocationGranularity, prop,
-                        G.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
-    name = _call(driver.cuDeviceGetName, 256, dev)
+def _device(index: int, name: str, f: dict) -> DeviceInfo:
     return DeviceInfo(
         index=index,
-        name=name.split(b"\0", 1)[0].decode(),
-        compute_capability=(attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
-                            attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")),
-        total_memory=int(_call(driver.cuDeviceTotalMem, dev)),
-        managed_memory=bool(attr("CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY")),
-        pageable_memory_access=bool(attr("CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS")),
-        uses_host_page_tables=bool(
-            attr("CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES")),
-        concurrent_managed_access=bool(attr("CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS")),
-        host_pointer_for_registered_mem=bool(
-            attr("CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM")),
-        vmm_supported=vmm,
-        vmm_granularity=gran,
-        vmm_recommended_granularity=rec,
+        name=name,
+        compute_capability=(f["compute_capability_major"], f["compute_capability_minor"]),
+        total_memory=f["total_memory"],
+        managed_memory=bool(f["managed_memory"]),
+        pageable_memory_access=bool(f["pageable_memory_access"]),
+        uses_host_page_tables=bool(f["uses_host_page_tables"]),
+        concurrent_managed_access=bool(f["concurrent_managed_access"]),
+        host_pointer_for_registered_mem=bool(f["host_pointer_for_registered_mem"]),
+        vmm_supported=bool(f["vmm_supported"]),
+        vmm_granularity=f["vmm_granularity"],
+        vmm_recommended_granularity=f["vmm_recommended_granularity"],
     )
 
 
@@ -213,27 +191,40 @@ def _runtime_version() -> int | None:
 
 @functools.lru_cache(maxsize=1)
 def _probe_gpu() -> tuple[bool, str | None, tuple[DeviceInfo, ...], int | None]:
+    missing = _bindings_missing()
+    if missing is not None:
+        return False, missing, (), None
+    from . import _driver
+
     try:
-        from cuda.bindings import driver
-    except ImportError as err:
-        if isinstance(err, ModuleNotFoundError) and err.name in ("cuda", "cuda.bindings"):
-            return False, CUDA_BINDINGS_MISSING, (), None
-        return False, f"cuda-bindings is installed but not importable: {err}", (), None
+        _driver.load()
+    except UmpError:
+        return False, "no CUDA driver: libcuda.so.1 could not be opened", (), None
     try:
-        _call(driver.cuInit, 0)
-    except _DriverError as err:
+        version, count = _driver.device_count()
+    except UmpError as err:
+        if err.cuda_error == "UMP_ERR_FORKED":
+            return False, f"a child process made by fork() cannot use CUDA ({err})", (), None
         return False, f"the CUDA driver did not initialise: {err}", (), None
-    except Exception as err:  # the driver library itself is missing
-        return False, f"no CUDA driver: {err}", (), None
     try:
-        version = int(_call(driver.cuDriverGetVersion))
-        count = int(_call(driver.cuDeviceGetCount))
-        devices = tuple(_probe_device(driver, i) for i in range(count))
-    except _DriverError as err:
+        devices = tuple(_device(i, *_driver.device(i)) for i in range(count))
+    except UmpError as err:
         return False, f"probing the GPU failed: {err}", (), None
     if not devices:
         return False, "the CUDA driver reports no device", (), version
     return True, None, devices, version
+
+
+def host_available_bytes() -> int:
+    """Bytes of memory the host has available now (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def device_info(caps: Capabilities, device) -> DeviceInfo:

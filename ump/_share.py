@@ -23,12 +23,11 @@ import stat
 import struct
 import sys
 import tempfile
-import threading
 
 from ._errors import InvalidArgumentError, UmpError
 from ._resource import Resource
 
-__all__ = ["ExportHandle", "import_handle", "listen", "connect", "Listener", "Connection"]
+__all__ = ["ExportHandle", "listen", "connect", "Listener", "Connection", "check_platform"]
 
 #: Seconds a sharing socket waits for a peer (accept, connect, send, recv)
 #: before raising TimeoutError; None waits for ever.
@@ -206,118 +205,6 @@ class ExportHandle(Resource):
 
 def _rebuild_handle(dup, meta: dict) -> ExportHandle:
     return ExportHandle._from_meta(dup.detach(), meta)
-
-
-_importers: dict = {}
-_importers_lock = threading.Lock()
-
-
-def _forget_importers() -> None:
-    """In a forked child: the parent's pools refuse to map (csrc/vmm.c), so
-    the child's imports get pools of their own."""
-    global _importers_lock
-    _importers.clear()
-    _importers_lock = threading.Lock()  # another thread may have held it at fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_importers)
-
-
-def import_handle(handle: ExportHandle, pool=None, *, stream: int = 0):
-    """Map memory another process exported; returns a :class:`MappedMemory`
-    whose :meth:`~MappedMemory.array` is a NumPy array (emulated) or a CuPy
-    array (GPU) over the same physical memory.
-
-    Parameters
-    ----------
-    handle : ExportHandle
-        From :meth:`MappedMemory.export`, received through multiprocessing or
-        a :class:`Connection`. It stays open: close it after importing.
-    pool : VMMPool, optional
-        The pool that maps it (its address range, device access list).
-        Default: one importing pool per device (or one emulated pool) for the
-        process, made at first use.
-    stream : int
-        GPU: the stream that waits for the exporter's event, if it sent one.
-
-    Raises
-    ------
-    UmpError
-        The handle is closed, was exported by a pool of another kind or
-        granularity, or its file descriptor is not the shareable memory it
-        describes (a foreign or stale handle).
-    """
-    from ._vmm import VMMPool
-
-    if not isinstance(handle, ExportHandle):
-        raise TypeError(f"expected an ump.ExportHandle, got {type(handle).__name__}")
-    if pool is None:
-        handle._check()  # a lying handle makes no pool
-        key = ("emulated", 0) if handle.emulated else ("device", handle.device)
-        with _importers_lock:
-            pool = _importers.get(key)
-            if pool is None or pool._closed:
-                # The main range serves no blocks: one granule (whatever the
-                # handle says the granularity is) reserved.
-                pool = _importers[key] = VMMPool(key[1], emulate=handle.emulated, reserve=1)
-    return pool.import_handle(handle, stream=stream)
-
-
-# --- stream order across processes (GPU) ----------------------------------------
-
-def _in_context(device: int, fn):
-    from cuda.bindings import driver
-
-    from ._probe import _call
-
-    dev = _call(driver.cuDeviceGet, device)
-    ctx = _call(driver.cuDevicePrimaryCtxRetain, dev)
-    try:
-        _call(driver.cuCtxPushCurrent, ctx)
-        try:
-            return fn(driver, _call)
-        finally:
-            _call(driver.cuCtxPopCurrent)
-    finally:
-        _call(driver.cuDevicePrimaryCtxRelease, dev)
-
-
-def record_event(device: int, stream: int):
-    """Record an inter-process event on ``stream``: (event, its 64-byte handle)."""
-    def run(driver, call):
-        flags = (driver.CUevent_flags.CU_EVENT_INTERPROCESS | driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        ev = call(driver.cuEventCreate, flags)
-        try:
-            call(driver.cuEventRecord, ev, stream)
-            return ev, bytes(call(driver.cuIpcGetEventHandle, ev).reserved)
-        except BaseException:
-            call(driver.cuEventDestroy, ev)
-            raise
-
-    return _in_context(device, run)
-
-
-def wait_event(device: int, data: bytes, stream: int) -> None:
-    """Make ``stream`` wait for another process's event."""
-    def run(driver, call):
-        h = driver.CUipcEventHandle()
-        h.reserved = data
-        ev = call(driver.cuIpcOpenEventHandle, h)
-        try:
-            call(driver.cuStreamWaitEvent, stream, ev, 0)
-        finally:
-            call(driver.cuEventDestroy, ev)
-
-    _in_context(device, run)
-
-
-def destroy_events(device: int, events) -> None:
-    def run(driver, call):
-        for ev in events:
-            call(driver.cuEventDestroy, ev)
-
-    _in_context(device, run)
 
 
 # --- Unix sockets that only their owner's processes may use --------------------

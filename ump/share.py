@@ -6,6 +6,7 @@ reaches it. A :class:`Connection` sends and receives :class:`ump.ExportHandle`
 objects. See docs/pools.md, "Sharing".
 """
 
-from ._share import Connection, ExportHandle, Listener, connect, import_handle, listen
+from ._share import Connection, ExportHandle, Listener, connect, listen
+from ._vmm import import_handle
 
 __all__ = ["Connection", "ExportHandle", "Listener", "connect", "import_handle", "listen"]

@@ -263,7 +263,7 @@ static void remember(int slot, int id, int kind)
 {
     uintptr_t va;
     uint64_t size;
-    CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL) == UMP_OK && size > 0);
+    CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL, NULL) == UMP_OK && size > 0);
     view[slot] = (view_t){id, kind, va, size, (unsigned char)(1 + below(250))};
     stamp(va, size, view[slot].tag);
 }
@@ -297,17 +297,23 @@ static int hostile_fd(int good, uint64_t *claim)
     }
 }
 
+/* Close one view, if the slot picked holds one; a second close is refused. */
+static void view_close_one(void)
+{
+    view_t *v = &view[below(NVIEW)];
+    if (v->id >= 0) {
+        seen(v->va, v->size, v->tag);
+        CHECK(ump_vmm_view_destroy(pool, v->id) == UMP_OK);
+        CHECK(ump_vmm_view_destroy(pool, v->id) == UMP_ERR_ARG);
+        v->id = -1;
+    }
+}
+
 static void op_view(void)
 {
     int slot = view_slot(), id = -1, s;
-    if (slot < 0 || below(3) == 0) { /* close one */
-        view_t *v = &view[below(NVIEW)];
-        if (v->id >= 0) {
-            seen(v->va, v->size, v->tag);
-            CHECK(ump_vmm_view_destroy(pool, v->id) == UMP_OK);
-            CHECK(ump_vmm_view_destroy(pool, v->id) == UMP_ERR_ARG);
-            v->id = -1;
-        }
+    if (slot < 0 || below(3) == 0) {
+        view_close_one();
         return;
     }
     uint64_t n = below(2) ? GRAN * (1 + below(3)) : hostile_size();
@@ -331,7 +337,7 @@ static void op_view(void)
         if (s == UMP_OK) { /* the alias reaches no further than the view */
             uintptr_t va;
             uint64_t size;
-            CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL) == UMP_OK);
+            CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL, NULL) == UMP_OK);
             CHECK(alias >= va && alias < va + size);
             CHECK(ump_vmm_view_destroy(pool, id) == UMP_OK); /* the block may be freed next */
             counts[5]++;
@@ -351,7 +357,7 @@ static void op_view(void)
         }
         uintptr_t va;
         uint64_t size, claim;
-        CHECK(ump_vmm_view_info(pool, sh, &va, &size, NULL) == UMP_OK);
+        CHECK(ump_vmm_view_info(pool, sh, &va, &size, NULL, NULL) == UMP_OK);
         claim = size;
         int peer = hostile_fd(fd, &claim);
         s = ump_vmm_import(pool, peer, claim, (int)below(2), &id);
@@ -360,7 +366,7 @@ static void op_view(void)
         close(fd);
         if (s == UMP_OK) {
             CHECK(claim == size);
-            CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL) == UMP_OK && size == claim);
+            CHECK(ump_vmm_view_info(pool, id, &va, &size, NULL, NULL) == UMP_OK && size == claim);
         } else {
             CHECK((s == UMP_ERR_HANDLE || s == UMP_ERR_ARG || s == UMP_ERR_INJECTED || s == UMP_ERR_OS ||
                    s == CUDA_ERROR_OUT_OF_MEMORY) && id == -1);

@@ -90,7 +90,7 @@ static int view_cycle(int id, long n)
     } else if (n % 3 == 1) { /* one granule mapped twice */
         if (ump_vmm_ring_create(id, 2 * MiB, &v) != UMP_OK && gone())
             return 0;
-        CHECK(ump_vmm_view_info(id, v, &va, &size, NULL) == UMP_OK && size == 4 * MiB);
+        CHECK(ump_vmm_view_info(id, v, &va, &size, NULL, NULL) == UMP_OK && size == 4 * MiB);
         show(va + 3 * MiB);
         ((volatile unsigned char *)va)[7] = (unsigned char)n;
         CHECK(((volatile unsigned char *)va)[2 * MiB + 7] == (unsigned char)n);
@@ -103,7 +103,7 @@ static int view_cycle(int id, long n)
         memset((void *)a, (int)(n & 0x7f), MiB);
         CHECK(ump_vmm_alias_create(id, a + 4096, 4096, &alias, &v) == UMP_OK);
         CHECK(((volatile unsigned char *)alias)[0] == (n & 0x7f));
-        CHECK(ump_vmm_view_info(id, v, &va, &size, NULL) == UMP_OK && alias >= va && alias < va + size);
+        CHECK(ump_vmm_view_info(id, v, &va, &size, NULL, NULL) == UMP_OK && alias >= va && alias < va + size);
         show(alias);
         holds(alias, va, size);
         CHECK(ump_vmm_view_destroy(id, v) == UMP_OK);
@@ -227,7 +227,7 @@ static void round_trip(void)
     CHECK(ump_vmm_buffer_create(pool, MiB, &v) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_buffer_info(pool, 0, &va, &size) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_ring_create(pool, 2 * MiB, &v) == UMP_ERR_HANDLE && v == -1);
-    CHECK(ump_vmm_view_info(pool, 0, &va, &size, NULL) == UMP_ERR_HANDLE);
+    CHECK(ump_vmm_view_info(pool, 0, &va, &size, NULL, NULL) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_view_destroy(pool, 0) == UMP_ERR_HANDLE);
     CHECK(ump_vmm_destroy(pool) == UMP_ERR_HANDLE);
     CHECK(ump_lookup(__atomic_load_n(&shown, __ATOMIC_RELAXED), NULL, NULL, NULL) == UMP_KIND_NONE);

@@ -206,7 +206,7 @@ static void *view_worker(void *arg)
         uint64_t size;
         int r = -1;
         CHECK(ump_vmm_ring_create(pool, g, &r) == UMP_OK);
-        CHECK(ump_vmm_view_info(pool, r, &va, &size, NULL) == UMP_OK && size == 2 * g);
+        CHECK(ump_vmm_view_info(pool, r, &va, &size, NULL, NULL) == UMP_OK && size == 2 * g);
         ((unsigned char *)va)[g + 7] = 0x33;
         CHECK(((unsigned char *)va)[7] == 0x33);
 
@@ -217,9 +217,9 @@ static void *view_worker(void *arg)
         CHECK(im == -1);
         CHECK(ump_vmm_import(pool, fd, g, 0, &im) == UMP_OK);
         close(fd);
-        CHECK(ump_vmm_view_info(pool, im, &va, &size, NULL) == UMP_OK);
+        CHECK(ump_vmm_view_info(pool, im, &va, &size, NULL, NULL) == UMP_OK);
         uintptr_t sva;
-        CHECK(ump_vmm_view_info(pool, sh, &sva, &size, NULL) == UMP_OK);
+        CHECK(ump_vmm_view_info(pool, sh, &sva, &size, NULL, NULL) == UMP_OK);
         ((unsigned char *)sva)[g - 1] = 0x44;
         CHECK(((unsigned char *)va)[g - 1] == 0x44);
         CHECK(ump_vmm_view_destroy(pool, sh) == UMP_OK); /* the importer keeps the memory */

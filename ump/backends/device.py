@@ -7,7 +7,7 @@ by name; ``auto`` picks a unified backend.
 """
 
 from .. import _core
-from . import Backend
+from ._base import Backend
 
 
 class DeviceBackend(Backend):

@@ -5,7 +5,7 @@ the allocator, the registry and the NumPy hook run everywhere (CI included).
 """
 
 from .. import _core
-from . import Backend
+from ._base import Backend
 
 
 class HostBackend(Backend):

@@ -7,7 +7,7 @@ over the link exceeded what migrating it would cost (docs/backends.md).
 """
 
 from .. import _core
-from . import Backend
+from ._base import Backend
 
 
 class ManagedBackend(Backend):

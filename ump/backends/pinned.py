@@ -6,7 +6,7 @@ The GPU reads and writes it over the link without migration. Chunks are the
 """
 
 from .. import _core
-from . import Backend
+from ._base import Backend
 
 
 class PinnedBackend(Backend):

@@ -3,11 +3,11 @@
 The GPU reaches any host page, so chunks are plain anonymous memory. On a
 machine without SAM a GPU access to such memory faults, so the backend
 refuses there; its code path is the ``pinned`` backend's minus the
-registration step (csrc/cuda.c), which is how it runs on GPUs without SAM.
+registration step (csrc/provider.c), which is how it runs on GPUs without SAM.
 """
 
 from .. import _core
-from . import Backend
+from ._base import Backend
 
 
 class SystemBackend(Backend):

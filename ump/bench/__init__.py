@@ -14,7 +14,6 @@ people's programs unedited, each run a process of its own.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -111,6 +110,41 @@ def _worker(config: str, suites, smoke: bool) -> list[str]:
     return [*head, config, ",".join(suites), "1" if smoke else "0"]
 
 
+def _default_suites(runnable_suites, missing, progress) -> list[str]:
+    """The suites run when none is named, saying on ``progress`` which are not."""
+    for suite in ON_REQUEST:
+        print(f"suite {suite} runs only when named (--suites {suite}): {ON_REQUEST[suite]}",
+              file=progress, flush=True)
+    if missing is not None:
+        print(f"GPU suites skipped ({', '.join(GPU_SUITES)}): {missing}", file=progress, flush=True)
+    for suite in (*CPU_SUITES, *GPU_SUITES):
+        why = _suite_missing(suite, None)
+        if why is not None and (suite in CPU_SUITES or missing is None):
+            print(f"suite {suite} skipped: {why}", file=progress, flush=True)
+    return [s for s in runnable_suites if s not in ON_REQUEST]
+
+
+def _record(raw: dict, skipped: dict, timings: dict, config: str, progress) -> None:
+    """Add one worker's timings of ``config`` to ``raw`` (by case, then
+    configuration), and the cases it could not run to ``skipped``."""
+    for case, timing in timings.items():
+        if "skipped" in timing:  # a case this machine cannot run, and why
+            if case not in skipped:
+                print(f"case skipped ({case}): {timing['skipped']}", file=progress, flush=True)
+            skipped[case] = timing["skipped"]
+            continue
+        entry = raw.setdefault(case, {"suite": timing["suite"]}).setdefault(
+            config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": [],
+                     "metrics": {}})
+        for name, value in timing.get("metrics", {}).items():
+            entry["metrics"].setdefault(name, []).append(value)
+        entry["cpu_times"] += timing["cpu"]
+        entry["gpu_times"] += timing["gpu"]
+        entry["round_cpu"].append(statistics.median(timing["cpu"]))
+        if timing["gpu"]:
+            entry["round_gpu"].append(statistics.median(timing["gpu"]))
+
+
 def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         programs_dir=None) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
@@ -153,16 +187,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
             raise ArgumentError(str(err)) from None
         suites = [s for s in suites if s != PROGRAMS]
     if suites is None:
-        suites = [s for s in runnable_suites if s not in ON_REQUEST]
-        for suite in ON_REQUEST:
-            print(f"suite {suite} runs only when named (--suites {suite}): {ON_REQUEST[suite]}",
-                  file=progress, flush=True)
-        if missing is not None:
-            print(f"GPU suites skipped ({', '.join(GPU_SUITES)}): {missing}", file=progress, flush=True)
-        for suite in (*CPU_SUITES, *GPU_SUITES):
-            why = _suite_missing(suite, None)
-            if why is not None and (suite in CPU_SUITES or missing is None):
-                print(f"suite {suite} skipped: {why}", file=progress, flush=True)
+        suites = _default_suites(runnable_suites, missing, progress)
     if folder is not None and not configs:
         configs = ["stock", "auto"]  # other people's programs: stock against what a user gets
     # suites that set up their own configurations run once, in "imported"
@@ -185,22 +210,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         process = timings.pop(PROCESS_KEY)
         if config == "stock" and process["ump_imported"]:
             raise RuntimeError("the stock configuration's process imported ump")
-        for case, timing in timings.items():
-            if "skipped" in timing:  # a case this machine cannot run, and why
-                if case not in skipped:
-                    print(f"case skipped ({case}): {timing['skipped']}", file=progress, flush=True)
-                skipped[case] = timing["skipped"]
-                continue
-            entry = raw.setdefault(case, {"suite": timing["suite"]}).setdefault(
-                config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": [],
-                         "metrics": {}})
-            for name, value in timing.get("metrics", {}).items():
-                entry["metrics"].setdefault(name, []).append(value)
-            entry["cpu_times"] += timing["cpu"]
-            entry["gpu_times"] += timing["gpu"]
-            entry["round_cpu"].append(statistics.median(timing["cpu"]))
-            if timing["gpu"]:
-                entry["round_gpu"].append(statistics.median(timing["gpu"]))
+        _record(raw, skipped, timings, config, progress)
     shown.close()
     results = {}
     for case, per in raw.items():

@@ -440,7 +440,6 @@ def _replay(ops, malloc, reserved):
 
 def pools(smoke):
     import cupy
-    from cupy.cuda import runtime
 
     from .._vmm import VMMPool
 
@@ -484,42 +483,51 @@ def pools(smoke):
             "cpu": [dt * 1e6], "gpu": [], "metrics": {"peak reserved / peak used": res / peak}}
         mp.free_all_blocks()
 
-        dev = cupy.cuda.Device().id
-        handle = runtime.deviceGetMemPool(dev)
-        runtime.deviceSynchronize()
-        runtime.memPoolTrimTo(handle, 0)
-        for attr in (0x6, 0x8):  # cudaMemPoolAttrReservedMemHigh, cudaMemPoolAttrUsedMemHigh
-            runtime.memPoolSetAttribute(handle, attr, 0)
-        ap = cupy.cuda.MemoryAsyncPool()
-        dt, peak, _ = _replay(ops, ap.malloc, None)
-        runtime.deviceSynchronize()
-        res = runtime.memPoolGetAttribute(handle, 0x6)
-        out["fragmentation: cudaMallocAsync pool"] = {
-            "cpu": [dt * 1e6], "gpu": [], "metrics": {"peak reserved / peak used": res / peak}}
-        runtime.memPoolTrimTo(handle, 0)
-
-        # trim: what the driver gets back of the memory the pool held free
-        keep = [vmm.allocate(n) for n in (5 * MiB, 300 * 1024)]
-        blocks = [vmm.allocate((i % 7 + 1) * 3 * MiB) for i in range(8 if smoke else 200)]
-        for b in blocks:
-            vmm.deallocate(b)
-        runtime.deviceSynchronize()
-        st = vmm.statistics()
-        free_held = st.physical_bytes - st.used_bytes
-        before = runtime.memGetInfo()[0]
-        t0 = time.perf_counter()
-        vmm.trim()
-        dt = time.perf_counter() - t0
-        back = runtime.memGetInfo()[0] - before
-        out["trim: returned / free held"] = {
-            "cpu": [dt * 1e6], "gpu": [], "metrics": {"returned / free held": back / free_held,
-                                                      "free held MiB": free_held / MiB}}
-        for b in keep:
-            vmm.deallocate(b)
+        out["fragmentation: cudaMallocAsync pool"] = _async_pool_fragmentation(cupy, ops)
+        out["trim: returned / free held"] = _trim_returns(vmm, smoke)
     finally:
         vmm.trim()
         vmm.close()
     return out
+
+
+def _async_pool_fragmentation(cupy, ops):
+    """The fragmentation workload on CUDA's stream-ordered pool (cudaMallocAsync)."""
+    runtime = cupy.cuda.runtime
+    dev = cupy.cuda.Device().id
+    handle = runtime.deviceGetMemPool(dev)
+    runtime.deviceSynchronize()
+    runtime.memPoolTrimTo(handle, 0)
+    for attr in (0x6, 0x8):  # cudaMemPoolAttrReservedMemHigh, cudaMemPoolAttrUsedMemHigh
+        runtime.memPoolSetAttribute(handle, attr, 0)
+    ap = cupy.cuda.MemoryAsyncPool()
+    dt, peak, _ = _replay(ops, ap.malloc, None)
+    runtime.deviceSynchronize()
+    res = runtime.memPoolGetAttribute(handle, 0x6)
+    runtime.memPoolTrimTo(handle, 0)
+    return {"cpu": [dt * 1e6], "gpu": [], "metrics": {"peak reserved / peak used": res / peak}}
+
+
+def _trim_returns(vmm, smoke):
+    """Trim: what the driver gets back of the memory the pool held free."""
+    from cupy.cuda import runtime
+
+    keep = [vmm.allocate(n) for n in (5 * MiB, 300 * 1024)]
+    blocks = [vmm.allocate((i % 7 + 1) * 3 * MiB) for i in range(8 if smoke else 200)]
+    for b in blocks:
+        vmm.deallocate(b)
+    runtime.deviceSynchronize()
+    st = vmm.statistics()
+    free_held = st.physical_bytes - st.used_bytes
+    before = runtime.memGetInfo()[0]
+    t0 = time.perf_counter()
+    vmm.trim()
+    dt = time.perf_counter() - t0
+    back = runtime.memGetInfo()[0] - before
+    for b in keep:
+        vmm.deallocate(b)
+    return {"cpu": [dt * 1e6], "gpu": [], "metrics": {"returned / free held": back / free_held,
+                                                      "free held MiB": free_held / MiB}}
 
 
 # --- vmm: memory shared the ways the VMM API allows ----------------------------

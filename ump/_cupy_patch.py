@@ -1,0 +1,114 @@
+"""The CuPy patch set: what ump replaces in CuPy while it is enabled.
+
+``cupy._core.array`` (behind ``cupy.array`` and ``cupy.asarray``) and, on
+``cupy.ndarray``, ``get``, ``__array_interface__``, ``__array__``,
+``__cuda_array_interface__``, ``__dlpack__``, ``__dlpack_device__``,
+``toDlpack`` and (Python >= 3.12) ``__buffer__``: each replacement calls the
+hook's conversion of the same name (ump/_cupy_hook.py), which calls CuPy's
+original where ump has nothing to add. ``restore()`` puts back exactly what
+was there (``_cupy_compat.Patches``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ._cupy_compat import Patches
+
+__all__ = ["CupyPatches"]
+
+
+class CupyPatches:
+    """CuPy's entry points, replaced by calls into ``hook``'s conversions.
+
+    Attributes
+    ----------
+    original : dict
+        CuPy's own ``array``, ``get``, ``__dlpack__``, ``__dlpack_device__``
+        and ``toDlpack``, which the conversions fall back on.
+    """
+
+    def __init__(self, cupy, hook):
+        self.cupy = cupy
+        self.hook = hook
+        self.original = {}
+        self._patches = None
+
+    def install(self) -> None:
+        """Replace CuPy's entry points; restorable from the first change on."""
+        cupy, nd = self.cupy, self.cupy.ndarray
+        self.original.update(array=cupy._core.array, get=nd.get, __dlpack__=nd.__dlpack__,
+                             __dlpack_device__=nd.__dlpack_device__, toDlpack=nd.toDlpack)
+        methods = self._methods(nd.__cuda_array_interface__)
+        patches = self._patches = Patches()
+        patches.set(cupy._core, "array", self.hook.array)
+        for name, value in methods.items():
+            patches.set(nd, name, value)
+
+    def restore(self) -> None:
+        if self._patches is not None:
+            self._patches.restore()
+
+    def _methods(self, cai) -> dict:
+        """The replacements of ``cupy.ndarray``'s attributes, by name; ``cai``
+        is CuPy's own ``__cuda_array_interface__`` property."""
+        hook, original = self.hook, self.original
+
+        def get(self, stream=None, order="C", out=None, blocking=True):
+            return hook.get(self, stream=stream, order=order, out=out, blocking=blocking)
+
+        def array_interface(self):
+            iface = hook.export(self)
+            if iface is None:
+                raise AttributeError("__array_interface__: this CuPy array is not in host-visible "
+                                     "ump memory")
+            return iface
+
+        def array_(self, dtype=None, copy=None):
+            return hook.host_array(self, dtype, copy)
+
+        def cuda_array_interface(self):
+            # A wait for the whole device, whatever ump.enable(sync=...)
+            # says: the stream CuPy names is only the current one, and the
+            # array may have been written on any.
+            waited = hook.wait_before_gpu_export(self.data.device_id)
+            desc = cai.__get__(self)
+            # The device is done with the array, so no stream is named for
+            # the consumer to wait on. A stream named would also become
+            # Numba's stream for the array, on which its copy_to_host() is
+            # asynchronous: into ump's NumPy memory (pinned or managed) it
+            # returns before the copy has ended (stock NumPy memory is
+            # pageable, and the copy into it returns when done). While a
+            # graph is captured CuPy's stream stays: the consumer's work is
+            # captured on it.
+            if waited and "stream" in desc:
+                desc["stream"] = None
+            return desc
+
+        def dlpack(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+            return hook.dlpack(self, stream=stream, max_version=max_version, dl_device=dl_device,
+                               copy=copy)
+
+        def dlpack_device(self):
+            return hook.dlpack_device(self)
+
+        def to_dlpack(self):
+            hook.wait_before_gpu_export(self.data.device_id)
+            return hook.cuda_capsule(self, original["toDlpack"](self))
+
+        for fn, like in ((get, original["get"]), (dlpack, original["__dlpack__"]),
+                         (to_dlpack, original["toDlpack"])):
+            fn.__doc__ = like.__doc__
+        methods = {"get": get, "__array_interface__": property(array_interface), "__array__": array_,
+                   "__cuda_array_interface__": property(cuda_array_interface), "__dlpack__": dlpack,
+                   "__dlpack_device__": dlpack_device, "toDlpack": to_dlpack}
+        if sys.version_info >= (3, 12):
+            def buffer(self, flags):
+                view = hook.host_view(self)
+                if view is None:
+                    raise BufferError("this CuPy array is in device memory, which the host cannot "
+                                      "read in place: use cupy.asnumpy()")
+                return memoryview(view)
+
+            methods["__buffer__"] = buffer
+        return methods
