@@ -34,8 +34,17 @@ _C_ONE_LINE = re.compile(r"^(?:static\s+)?(?!return\b)[A-Za-z_][\w \t*]*?\b([A-Z
 _C_IDENTIFIER = re.compile(r"\b([A-Za-z_]\w*)\s*\(|&\s*([A-Za-z_]\w*)\b|[(,]\s*([A-Za-z_]\w*)\s*[,)]")
 
 
+#: The project's own folders (a checkout may hold others: virtual
+#: environments, CuPy's examples for the bench, carried wheels).
+PROJECT_DIRS = ("csrc", "ump", "tests", "tools", ".ci")
+
+
 def source_files(root: pathlib.Path):
-    for path in sorted(root.rglob("*")):
+    paths = [p for p in root.iterdir() if p.is_file()]
+    for folder in PROJECT_DIRS:
+        if (root / folder).is_dir():
+            paths += (root / folder).rglob("*")
+    for path in sorted(paths):
         if path.suffix in SOURCE_SUFFIXES and path.is_file() and not SKIP_DIRS & set(path.relative_to(root).parts):
             yield path
 
