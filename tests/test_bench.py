@@ -30,7 +30,7 @@ def _bench(tmp_path, *args):
 def _report(median, spread=0.02, case="np.empty 64B", config="stock"):
     times = [median * (1 + spread * k) for k in (-2, -1, 0, 1, 2)]
     return {"configs": [config], "results": {case: {"suite": "alloc_numpy", config: {
-        "cpu": bench._summary(times), "gpu": None, "cpu_times": times, "gpu_times": []}}}}
+        "cpu": bench.summary(times), "gpu": None, "cpu_times": times, "gpu_times": []}}}}
 
 
 def test_compare_flags_an_injected_slowdown_and_passes_equal_runs():
@@ -71,7 +71,7 @@ def test_overhead_reports_ratio_spread_and_difference():
     per = report["results"]["add 100x100"]
     per["stock"]["round_cpu"] = [10.0, 10.2]
     per["imported"] = copy.deepcopy(per["stock"])
-    per["imported"]["cpu"] = bench._summary([10.1, 10.15, 10.2])
+    per["imported"]["cpu"] = bench.summary([10.1, 10.15, 10.2])
     per["imported"]["round_cpu"] = [10.1, 10.2]
     (line,) = bench.overhead(report)
     assert "add 100x100 [imported]: CPU ×1.015" in line

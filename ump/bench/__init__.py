@@ -24,6 +24,7 @@ import time
 from .. import _probe, backends
 from .._version import pip_install
 from . import programs
+from .summary import summary
 from . import progress as _progress
 from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, ON_REQUEST
 
@@ -87,13 +88,6 @@ def _runnable(caps) -> list[str]:
     configs = configurations(caps, smoke=False)
     return configs + (["auto"] if _gpu_missing(caps) is None else [])
 
-
-def _summary(times):
-    if not times:
-        return None
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return {"median": statistics.median(times), "q1": q[0], "q3": q[2],
-            "min": min(times), "max": max(times), "n": len(times)}
 
 
 def _check_names(kind: str, names, known, runnable, why_not) -> None:
@@ -216,7 +210,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     for case, per in raw.items():
         results[case] = {"suite": per.pop("suite")}
         for config, e in per.items():
-            results[case][config] = {"cpu": _summary(e["cpu_times"]), "gpu": _summary(e["gpu_times"]), **e}
+            results[case][config] = {"cpu": summary(e["cpu_times"]), "gpu": summary(e["gpu_times"]), **e}
     if folder is not None:
         ran, not_run = programs.run([c for c in configs if c != "imported"], rounds, folder,
                                     gpus=len(caps.devices), progress=progress)

@@ -18,11 +18,12 @@ import importlib.util
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from .summary import summary
 
 __all__ = ["PROGRAMS", "ENV", "Program", "command", "examples_dir", "run", "table"]
 
@@ -137,13 +138,6 @@ def _once(program: Program, config: str, folder: str, cwd: str, timeout: float) 
     return out
 
 
-def _summary(values):
-    if not values:
-        return None
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "q1": q[0], "q3": q[2],
-            "min": min(values), "max": max(values), "n": len(values)}
-
 
 def run(configs, rounds: int, folder: str, *, warmup: int = 1, gpus: int = 1, timeout: float = 600,
         programs=PROGRAMS, progress=sys.stderr) -> tuple[dict, dict]:
@@ -196,7 +190,7 @@ def run(configs, rounds: int, folder: str, *, warmup: int = 1, gpus: int = 1, ti
     for per in results.values():
         for config, e in per.items():
             if config != "suite":
-                e["cpu"], e["gpu"] = _summary(e["cpu_times"]), _summary(e["gpu_times"])
+                e["cpu"], e["gpu"] = summary(e["cpu_times"]), summary(e["gpu_times"])
     return results, skipped
 
 
