@@ -25,7 +25,7 @@ distributed = pytest.importorskip(
     "distributed", reason="needs Dask's distributed scheduler: pip install -e '.[dask]'"
 )
 da = pytest.importorskip("dask.array", reason="needs dask.array: pip install -e '.[dask]'")
-ump_dask = pytest.importorskip("ump.dask")
+import ump.dask as ump_dask  # noqa: E402  (distributed is there)
 
 SEED = 20240601
 SHAPE = (1200, 800)

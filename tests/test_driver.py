@@ -38,7 +38,7 @@ try:
     _driver.device_count()
 except UmpError as err:
     error = [type(err).__name__, err.cuda_error, str(err)]
-print(json.dumps([statuses, _core.ERR_NOCUDA, error, "cuda" in sys.modules]))
+print(json.dumps([statuses, _core.ERR_NOCUDA, error, "cuda.bindings" in sys.modules]))
 """
     proc = subprocess.run([sys.executable, "-c", "import sys\n" + code], capture_output=True, text=True,
                           cwd=tmp_path)
@@ -66,7 +66,7 @@ from ump import _probe
 _probe._bindings_missing = lambda: None  # no cuda-bindings here: the probe itself needs none
 caps = _probe.probe()
 print(json.dumps([caps.gpu, caps.reason, caps.driver_version, [vars(d) for d in caps.devices],
-                  retained(0), "cuda" in sys.modules]))
+                  retained(0), "cuda.bindings" in sys.modules]))
 """, tmp_path, STUB_CUDA_DEVICES="2")
     gpu, reason, version, devices, contexts, bindings = result(proc)
     assert (gpu, reason, version, contexts, bindings) == (True, None, 13000, 0, False)
@@ -129,7 +129,7 @@ try:
     ump.enable("pinned")
 except ump.UmpError as err:
     caught = [err.message, err.cuda_error, str(err), type(err.__cause__).__name__]
-print(json.dumps([caught, ump.is_enabled(), _devices._contexts, retained(0), "cuda" in sys.modules]))
+print(json.dumps([caught, ump.is_enabled(), _devices._contexts, retained(0), "cuda.bindings" in sys.modules]))
 """, tmp_path, STUB_CUDA_FULL="1")
     (message, cuda_error, text, cause), enabled, contexts, held, bindings = result(proc)
     assert message.startswith("setting up the CUDA context of device 0: the GPU has no room")

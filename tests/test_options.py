@@ -82,12 +82,15 @@ def _pytest(option, text, env, calls, monkeypatch, pytester):
         args = ["--ump"]
     else:
         args = [f"--ump={text}"] if option is BACKEND else ["--ump", f"{option.flag('--ump-')}={text}"]
-    pytester.parseconfigure("-p", "ump.pytest_plugin", *args)
+    # The project's own pytest settings leave pytest-benchmark out where it
+    # is installed (it warns under xdist); the inner session does the same.
+    pytester.parseconfigure("-p", "no:benchmark", "-p", "ump.pytest_plugin", *args)
     return calls[-1]
 
 
 def _dask(option, text, env, monkeypatch):
-    ump_dask = pytest.importorskip("ump.dask", reason="the Dask preload needs distributed (pip install dask)")
+    pytest.importorskip("distributed", reason="the Dask preload needs distributed (pip install dask)")
+    import ump.dask as ump_dask
     if env:
         monkeypatch.setenv(option.env, text)
     ctx = ump_dask.dask_setup.make_context("dask_setup", [] if env else [option.flag("--ump-"), text])
