@@ -273,8 +273,6 @@ static chunk_t *new_chunk(arena_t *a, size_t bytes, int cls, size_t block)
     }
     if (a->flags & UMP_ARENA_ADVISE_HOST)
         ump__advise_host(mem, bytes);
-    else if ((a->flags & UMP_ARENA_CUPY) && a->provider == UMP_PROVIDER_MANAGED)
-        ump__populate_gpu(mem, bytes, a->budget->device, a->ctx);
     c->base = (uintptr_t)mem;
     c->size = bytes;
     c->arena = a;

@@ -140,8 +140,6 @@ UMP_HIDDEN int ump__provider_alloc(int provider, size_t size, void **out, int *f
 UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size, void *ctx);
 /* Advise a new managed chunk to live on the host and be mapped by the GPU. */
 UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
-/* Give a new managed chunk of CuPy's its pages on `device` (-1: ump's). */
-UMP_HIDDEN void ump__populate_gpu(void *ptr, size_t size, int device, void *ctx);
 
 /* --- owners of memory, asked by ump_lookup() (lookup.c) ------------------ */
 

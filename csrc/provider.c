@@ -123,20 +123,6 @@ static int prefetch(uintptr_t ptr, uint64_t size, int device, CUstream stream)
     return UMP_ERR_NOCUDA;
 }
 
-void ump__populate_gpu(void *ptr, size_t size, int device, void *ctx)
-{
-    if (ump__cuda_ready() != UMP_OK)
-        return;
-    int pushed = ump__ctx_enter(ctx);
-    /* A new chunk has no pages yet, and CuPy's kernels write it first: pages
-     * made by a prefetch cost what an allocation does, where each made by
-     * the first kernel's faults costs a fault (an elementwise chain over
-     * fresh 80 MB arrays ran twice as long). Stream 0: nothing uses the
-     * chunk yet; a failure leaves the pages to the faults. */
-    prefetch((uintptr_t)ptr, size, device < 0 ? ump__own_device() : device, NULL);
-    ump__ctx_leave(pushed);
-}
-
 int ump_advise(uintptr_t ptr, uint64_t size, int advice, int device)
 {
     int status = ump__cuda_ready();

@@ -537,6 +537,7 @@ def test_programs_that_fail_or_need_a_missing_module_are_reported(tmp_path, monk
                                     progress=io.StringIO())
     assert skipped == {"program plots": "no_such_module_here is not installed"}
     assert results["program cg"]["stock"]["returncodes"] == [3]
+    assert results["program cg"]["stock"]["cpu_times"] == [] and results["program cg"]["stock"]["round_cpu"] == [None]
     assert "exit [3]" in programs.table({"configs": ["stock", "auto"],
                                          "results": {"program cg": {**results["program cg"],
                                                                     "auto": results["program cg"]["stock"]}}})

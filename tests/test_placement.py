@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import types
 
+import numpy
 import pytest
 
 from ump import _placement
@@ -822,16 +823,110 @@ def test_a_result_read_once_goes_back_to_its_gpu_at_the_next_allocation(moves, a
     assert not policy.returning
 
 
-def test_a_block_moved_between_reads_and_handed_over_anew_is_weighed_again(moves):
-    """CuPy's cg example makes a new matrix for each of its trials, often
-    in the same block: the host wrote it since the last move, so the new
-    hand-off is weighed like the first, not taken as still on the GPU."""
+def test_a_block_whose_move_paid_moves_at_its_next_hand_off(moves):
+    """CuPy's cg example makes a new matrix for each of its trials, often in
+    the same block: the first trial's work paid for the move there and back,
+    so the next trials' hand-offs move it at once, before any step reads it
+    over the link."""
     cupy = FakeCupy()
     policy = _policy(cupy)
-    held = [0]
-    for trial in range(3):
+    held = numpy.ones(4)
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    _sync(policy, cupy, 0.3)
+    assert moves == [(GiB, 0)]
+    for trial in (2, 3):
         lease = FakeLease(held)
         policy.on_handoff("managed", BASE, GiB, lease)
-        assert (BASE, GiB) in policy.pending
-        _sync(policy, cupy, 0.3)
-        assert moves == [(GiB, 0)] * (trial + 1)
+        assert moves == [(GiB, 0)] * trial and (BASE, GiB) not in policy.pending
+        assert policy.state(BASE, GiB).heavy
+        _sync(policy, cupy, 1.0)
+
+
+def test_an_upload_whose_work_did_not_pay_is_weighed_in_full_next_time(moves):
+    """A program loading one array after another into the same memory, one
+    pass each: the first upload moves, its work does not pay for the way
+    back its memory takes (NumPy's next writes fault it back), so later
+    uploads of that block stay on the host."""
+    cupy = FakeCupy()
+    policy, watch = _watched_policy(cupy)
+    for step in range(3):
+        lease = FakeLease(numpy.ones(4))  # numpy.load(f): only CuPy holds it
+        policy.on_handoff("managed", BASE, GiB, lease)
+        policy.on_cupy_malloc(BASE + 2 * GiB, MiB)  # the pass's output
+        _sync(policy, cupy, 0.026)  # one pass, read as a scalar
+        del lease
+    assert moves == [(GiB, 0)]  # the first upload only
+    assert not policy.state(BASE, GiB).eager and not policy.state(BASE, GiB).heavy
+
+
+def test_waits_of_several_threads_at_once_count_once():
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    policy.on_sync(0, 0.10, ended=10.00)
+    policy.on_sync(0, 0.10, ended=10.05)  # overlapping the first by 0.05 s
+    policy.on_sync(0, 0.02, ended=10.03)  # inside both
+    policy.on_sync(1, 0.10, ended=10.05)  # another device's
+    assert policy.waits[0] == pytest.approx(0.15) and policy.waits[1] == pytest.approx(0.10)
+
+
+def test_a_move_that_fails_leaves_the_wait_and_the_allocation_alone(monkeypatch):
+    def refuse(*args):
+        raise _placement.UmpError("prefetching", "CUDA_ERROR_INVALID_VALUE")
+
+    monkeypatch.setattr(_placement._core, "prefetch", refuse)
+    cupy = FakeCupy()
+    policy, watch = _watched_policy(cupy)
+    lease = FakeLease(numpy.ones(4))
+    policy.on_handoff("managed", BASE, GiB, lease)
+    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)  # the upload's move fails: no exception
+    _sync(policy, cupy, 5.0)
+    assert policy.state(BASE, GiB).on_gpu is None
+
+
+class _Lease:
+    __slots__ = ("array", "__weakref__")
+
+
+def test_only_cupys_view_holding_the_array_is_told_by_reference_counts():
+    """The program holding the array, a view of it, or its base, keeps it
+    the program's; dropping every such reference leaves it CuPy's alone."""
+    lease = _Lease()
+    big = numpy.ones((8, 8))
+    lease.array = big[:, :4]  # cupy.asarray(big[:, :4])
+    assert not _placement.only_view_holds(lease)  # the program holds the base
+    del big
+    assert _placement.only_view_holds(lease)
+    a = numpy.ones(16)
+    lease.array = a
+    other = a[2:]  # a sibling view keeps the base alive
+    assert not _placement.only_view_holds(lease)
+    del other
+    assert not _placement.only_view_holds(lease)  # the name a still holds it
+    del a
+    assert _placement.only_view_holds(lease)
+    lease.array = numpy.frombuffer(bytearray(64))  # memory NumPy does not own
+    assert not _placement.only_view_holds(lease)
+
+def test_a_heavy_block_handed_over_again_without_an_export_is_judged_by_the_waits(moves):
+    """A loop that rewrites its array on the host and hands it over each
+    step, with no export: while each step's GPU work pays, every hand-off
+    moves the block; once it shrinks, the block stays on the host."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    held = numpy.ones(4)
+    lease = FakeLease(held)  # CuPy's view, alive while the step runs
+    policy.on_handoff("managed", BASE, GiB, lease)
+    _sync(policy, cupy, 0.3)  # moved between reads: paid
+    for _ in range(3):
+        lease = FakeLease(held)
+        policy.on_handoff("managed", BASE, GiB, lease)
+        _sync(policy, cupy, 0.1)  # in HBM: 0.1 s x 20 still beats half a move there and back
+    assert moves == [(GiB, 0)] * 4 and policy.state(BASE, GiB).heavy
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)
+    _sync(policy, cupy, 0.001)  # the work shrank
+    lease = FakeLease(held)
+    policy.on_handoff("managed", BASE, GiB, lease)  # judged here: host-resident again
+    assert moves == [(GiB, 0)] * 5 and not policy.state(BASE, GiB).heavy
+    assert (BASE, GiB) in policy.pending

@@ -147,10 +147,10 @@ class CupyHook:
             stream.synchronize()
         else:
             self.release.wait_for(device)
-        waited = time.perf_counter() - start
+        ended = time.perf_counter()
         self.placement.on_sync(self.cupy.cuda.runtime.getDevice() if device is None else device,
-                               waited, exporting)
-        return waited
+                               ended - start, exporting, ended)
+        return ended - start
 
     def _refuse_while_capturing(self, stream=None):
         if capturing(self.cupy, stream):

@@ -179,7 +179,9 @@ class BlockState:
     device: int = -1            # the device of its last hand-off
     mark: float = 0.0           # the host's waits on that device at that hand-off
     lease: object = None        # a weak reference to the owner of CuPy's view then
-    synced: bool = False        # migrated at another array's read since the hand-off
+    synced: bool = False        # migrated at another array's read or as an upload since the hand-off
+    eager: bool = True          # moved as an upload when only CuPy holds it (until that lost once)
+    handoff_moved: bool = False # its last hand-off moved it (heavy, peeked or migrate)
     hold_checks: int = 0        # CuPy allocations left at which to ask if only CuPy holds it
     # Its hand-offs and exports take turns (an export may wait for a move);
     # other blocks' go on meanwhile.
@@ -218,6 +220,7 @@ class Placement:
         #: host-resident: weighed at every wait (:meth:`on_sync`).
         self.pending: dict[tuple[int, int], BlockState] = {}
         self.waits: dict[int, float] = {}  # device -> seconds the host waited for it
+        self.wait_ends: dict[int, float] = {}  # device -> when the last counted wait ended
         #: Pending blocks asked at CuPy's allocations whether only CuPy holds
         #: them (the watch is on while any is).
         self.uploads: set[tuple[int, int]] = set()
@@ -271,9 +274,12 @@ class Placement:
             if state is None:
                 if len(self.blocks) >= MAX_BLOCKS:
                     self.blocks.clear()
+                    self.pending.clear()  # followed states no export could reach any more
+                    self.uploads.clear()
                 state = self.blocks[(base, size)] = BlockState()
         with state.lock:
-            moved = self._handoff(state, base, size)
+            self._judge_move(state, size)
+            moved = state.handoff_moved = self._handoff(state, base, size)
             # A block not moved now is weighed from here, wherever an earlier
             # hand-off's move left it (the host may have written it since).
             self._follow(state, base, size, None if moved else lease)
@@ -284,19 +290,47 @@ class Placement:
         with self._lock:
             self.pending.pop(key, None)
             self.uploads.discard(key)
-            if self.mode != "auto" or lease is None:
+            if self.mode != "auto":
                 self._unwatch()
                 return
             state.device = self.cupy.cuda.runtime.getDevice()
             state.mark = self.waits.get(state.device, 0.0)
+            if lease is None:
+                self._unwatch()
+                return
             state.lease = weakref.ref(lease)
             if len(self.pending) >= MAX_PENDING:
-                self.uploads.discard(next(iter(self.pending)))
-                del self.pending[next(iter(self.pending))]
+                oldest = next(iter(self.pending))
+                self.uploads.discard(oldest)
+                del self.pending[oldest]
             self.pending[key] = state
-            if self.watch is not None and self.watch(True):
+            if state.eager and self.watch is not None and self.watch(True):
                 state.hold_checks = HOLD_CHECKS
                 self.uploads.add(key)
+
+    def _judge_move(self, state: BlockState, size: int) -> None:
+        """At the end of an interval in which the block moved between reads
+        or as an upload (its export, or the next hand-off): whether the
+        GPU's work since paid for a move there and back. An upload that did
+        not (a program loading one array after another into the same
+        memory, one pass each) is not moved as an upload again: the memory
+        goes back to NumPy, whose next writes fault it back."""
+        work = self.waits.get(state.device, 0.0) - state.mark  # the host's waits since the hand-off
+        if state.handoff_moved and state.exports == 0 and state.heavy and self.mode == "auto":
+            # Moved at its hand-off and handed over again with no export, so
+            # no round trip was timed: the waits judge it as _reconsider_heavy
+            # does (none at all says nothing; the pages stay on the GPU
+            # until the host touches them either way).
+            state.handoff_moved = False
+            if 0 < work * LINK_OVER_HBM < size * MIGRATION_SECONDS_PER_BYTE / 2:
+                state.heavy = False
+        if not state.synced:
+            return
+        state.synced = False
+        paid = work * (1 - 1 / LINK_OVER_HBM) > size * MIGRATION_SECONDS_PER_BYTE
+        state.heavy = paid
+        if not paid:
+            state.eager = False
 
     def _handoff(self, state: BlockState, base: int, size: int) -> bool:
         """Whether the block moves to the GPU at this hand-off."""
@@ -347,10 +381,9 @@ class Placement:
 
     def _export(self, state: BlockState, base: int, size: int, waited: float | None, stream) -> None:
         state.exports += 1
-        if state.synced:
-            # Its work since the hand-off paid for a migration: a round trip
-            # that beat one, as a heavy block's does.
-            state.synced, state.heavy = False, True
+        # A block moved since its hand-off is heavy if its work paid for the
+        # move there and back, as a round trip's does.
+        self._judge_move(state, size)
         if state.on_gpu is not None and state.start is not None:
             # A heavy block's round trip on the GPU, timed from the migration's end.
             self._reconsider_heavy(state, size, self._elapsed(state, stream, waited))
@@ -429,9 +462,10 @@ class Placement:
             state.peeked = True
 
     # --- work between other arrays' reads ------------------------------------
-    def on_sync(self, device: int, waited: float | None, exclude=None) -> None:
+    def on_sync(self, device: int, waited: float | None, exclude=None, ended: float | None = None) -> None:
         """The host waited ``waited`` seconds for ``device`` (None: it did
-        not wait); ``exclude``: the block being exported, which its export
+        not wait), until ``ended`` (``perf_counter``; None: no other thread
+        waits); ``exclude``: the block being exported, which its export
         decides. A host-resident block whose CuPy view lives, and on whose
         device the GPU has worked long enough since its hand-off that
         reading it over the link would have lost more than its migration
@@ -439,6 +473,12 @@ class Placement:
         if self.mode != "auto" or waited is None:
             return
         with self._lock:
+            if ended is not None:
+                # Threads waiting at once wait for the same GPU time: count
+                # only what no other wait counted.
+                last = self.wait_ends.get(device, 0.0)
+                waited = max(0.0, ended - max(ended - waited, last))
+                self.wait_ends[device] = max(last, ended)
             total = self.waits[device] = self.waits.get(device, 0.0) + waited
             due = []
             for key, state in list(self.pending.items()):
@@ -453,29 +493,39 @@ class Placement:
                 if lost > key[1] * ONE_WAY_SECONDS_PER_BYTE:
                     due.append((key, state, lease, lost))
         for key, state, lease, lost in due:
-            orphan = only_view_holds(lease)
+            # One way for an upload, unless this block's uploads were seen
+            # to come back to NumPy (its memory reused, faulted back).
+            orphan = state.eager and only_view_holds(lease)
             cost = key[1] * (ONE_WAY_SECONDS_PER_BYTE + (0 if orphan else HOST_FAULTS_SECONDS_PER_BYTE))
-            if lost > cost:
-                self._migrate_pending(key, state, device)
+            if lost > cost and self._migrate_pending(key, state, device, state.mark):
                 log.debug("block %#x (%d bytes) to GPU %d at another array's read: %.4f s lost over "
                           "the link since its hand-off, moving costs %.4f s (only CuPy holds it: %s)",
                           key[0], key[1], device, lost, cost, orphan)
-            del lease
 
-    def _migrate_pending(self, key, state: BlockState, device: int) -> None:
-        if capturing(self.cupy):
-            return  # a prefetch now would break the capture; a later wait decides
+    def _migrate_pending(self, key, state: BlockState, device: int, mark: float) -> bool:
+        """Move a followed block to ``device``, unless it was exported or
+        handed over again since ``mark`` was read; whether it moved. Runs
+        inside waits and CuPy's allocations, which must not fail over a
+        placement."""
+        cuda = self.cupy.cuda
         with state.lock:
             with self._lock:
-                if self.pending.get(key) is not state:
-                    return  # exported or handed over again meanwhile
-                del self.pending[key]
-                self.uploads.discard(key)
-            cuda = self.cupy.cuda
-            with cuda.Device(device):
-                state.start = None  # the hand-off's round trip is timed no more
-                self._to_gpu(state, key[0], key[1], cuda.get_current_stream())
+                if self.pending.get(key) is not state or state.mark != mark:
+                    return False
+            try:
+                with cuda.Device(device):
+                    if capturing(self.cupy):
+                        return False  # a prefetch now would break the capture; a later wait decides
+                    with self._lock:
+                        del self.pending[key]
+                        self.uploads.discard(key)
+                    state.start = None  # the hand-off's round trip is timed no more
+                    self._to_gpu(state, key[0], key[1], cuda.get_current_stream())
+            except RuntimeError as err:  # UmpError or CuPy's: the block stays where it is
+                log.debug("block %#x (%d bytes) not moved: %s", key[0], key[1], err)
+                return False
             state.synced = state.on_gpu is not None
+            return state.synced
 
     # --- results the host reads back -----------------------------------------
     def close(self) -> None:
@@ -536,8 +586,8 @@ class Placement:
                 self.uploads.discard(key)
             self._unwatch()
         for key, state in due:
-            self._migrate_pending(key, state, state.device)
-            log.debug("block %#x (%d bytes) to GPU %d: only CuPy holds it", key[0], key[1], state.device)
+            if self._migrate_pending(key, state, state.device, state.mark):
+                log.debug("block %#x (%d bytes) to GPU %d: only CuPy holds it", key[0], key[1], state.device)
 
     def _unwatch(self) -> None:
         """Switch the watch off once nothing needs it (under ``_lock``)."""
@@ -555,7 +605,7 @@ class Placement:
                 continue
             try:
                 with cuda.Device(device):
-                    if self._fits(bsize):
+                    if not capturing(self.cupy) and self._fits(bsize):
                         _core.prefetch(base, bsize, device, cuda.get_current_stream().ptr)
                         log.debug("result %#x (%d bytes) back to GPU %d", base, bsize, device)
             except RuntimeError:
@@ -627,7 +677,7 @@ class Placement:
             return
         base, size = key
         device, state.device, state.retired, state.reused_at = state.device, -1, True, None
-        self.returning.pop(key, None)  # moved below
+        self.returning.pop(key, None)  # the prefetch below already sends it back
         self._unwatch()
         cuda = self.cupy.cuda
         try:

@@ -103,7 +103,9 @@ def command(config: str, script: str, args=()) -> list[str]:
     return [sys.executable, "-m", "ump", "run", *options, script, *args]
 
 
-def _environment(config: str) -> dict:
+def _environment() -> dict:
+    """The caller's environment without ump's settings: each configuration
+    says all it sets on its command line."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("UMP_") and k != "CUPY_ENABLE_UMP"}
     env["PYTHONUNBUFFERED"] = "1"
@@ -123,7 +125,7 @@ def _once(program: Program, config: str, folder: str, cwd: str, timeout: float) 
     script = os.path.join(folder, program.path)
     start = time.perf_counter()
     try:
-        proc = subprocess.run(command(config, script, program.args), cwd=cwd, env=_environment(config),
+        proc = subprocess.run(command(config, script, program.args), cwd=cwd, env=_environment(),
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"wall": None, "gpu": None, "rc": None, "error": f"ran past {timeout:.0f} s"}
@@ -181,12 +183,13 @@ def run(configs, rounds: int, folder: str, *, warmup: int = 1, gpus: int = 1, ti
                     entry["returncodes"].append(one["rc"])
                     if "error" in one:
                         entry["errors"].append(one["error"])
-                    if one["wall"] is not None:
-                        entry["cpu_times"].append(one["wall"] * 1e6)
-                        entry["round_cpu"].append(one["wall"] * 1e6)
-                    if one["gpu"] is not None:
-                        entry["gpu_times"].append(one["gpu"] * 1e6)
-                        entry["round_gpu"].append(one["gpu"] * 1e6)
+                    # A run that failed counts for nothing (a crash is quick);
+                    # its round keeps its place, as None, so rounds pair up.
+                    for key, times, rounds_ in (("wall", "cpu_times", "round_cpu"), ("gpu", "gpu_times", "round_gpu")):
+                        value = one[key] * 1e6 if one["rc"] == 0 and one[key] is not None else None
+                        entry[rounds_].append(value)
+                        if value is not None:
+                            entry[times].append(value)
     for per in results.values():
         for config, e in per.items():
             if config != "suite":
@@ -200,7 +203,7 @@ def _ratio(entry, base, key):
     if not entry.get(key) or not base.get(key):
         return None
     rounds = "round_cpu" if key == "cpu" else "round_gpu"
-    pairs = [a / b for a, b in zip(entry[rounds], base[rounds]) if b > 0]
+    pairs = [a / b for a, b in zip(entry[rounds], base[rounds]) if a is not None and b]
     return entry[key]["median"] / base[key]["median"], min(pairs, default=math.nan), max(pairs, default=math.nan)
 
 
@@ -220,7 +223,8 @@ def table(report) -> str:
         if base is None:
             continue
         gpu = f", {base['gpu']['median'] / 1e6:.3f}" if base.get("gpu") else ""
-        cells = [f"{base['cpu']['median'] / 1e6:.2f}{gpu}"]
+        wall = f"{base['cpu']['median'] / 1e6:.2f}" if base.get("cpu") else "no run exited 0"
+        cells = [f"{wall}{gpu}"]
         for config in configs:
             entry = per.get(config)
             if entry is None:
