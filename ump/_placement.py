@@ -29,19 +29,19 @@ reallocates the same array learns too:
   alive: one way when nothing but CuPy's view holds the NumPy array (the
   host can then reach it only through an export, which ump sees and brings
   back), one way plus the host's faults bringing it back otherwise (the
-  host may read it in place). The block's export then brings it back and
-  makes it *heavy*, as a round trip whose work beat a migration. The count
-  starts over at every hand-off: a program that hands the array over anew
-  each step (stock CuPy copies it each time) pays at most one interval's
-  work over the link before a migration.
+  host may read it in place). The move is judged at the block's export or
+  next hand-off: if the work since the hand-off paid for a move there and
+  back, the block is *heavy* (later hand-offs move it at once); if not, the
+  count starts over, and an upload (below) is not made again for that
+  block. Waits several threads make at once count once.
 - **Uploads** (``x = cupy.asarray(x)``, ``cupy.asarray(numpy.load(f))``:
   nothing but CuPy's view holds the NumPy array any more): the program
   gave the data to the GPU, and the host can have it back only through an
-  export. ump asks at the first CuPy allocations after the hand-off (the
-  next kernel's output, typically) and migrates such a block at once, one
-  way, for what stock CuPy's copy at the hand-off would cost five times
-  over; otherwise the first kernels before any wait would all read it over
-  the link.
+  export, or through NumPy's reuse of the memory once CuPy's view dies. ump
+  asks at the first CuPy allocations after the hand-off (the next kernel's
+  output, typically) and migrates such a block at once, one way, for a
+  fifth of what stock CuPy's copy at the hand-off costs; otherwise the
+  first kernels before any wait would all read it over the link.
 - **Peek loops** (the block stays with CuPy; exports follow one another with
   no hand-off between, the host reading a little each time): from the second
   export on, when the GPU time between two exports exceeds migrating the
@@ -288,8 +288,7 @@ class Placement:
         """Weigh a host-resident block at the waits to come (auto only)."""
         key = (base, size)
         with self._lock:
-            self.pending.pop(key, None)
-            self.uploads.discard(key)
+            self._unfollow(key)
             if self.mode != "auto":
                 self._unwatch()
                 return
@@ -300,13 +299,16 @@ class Placement:
                 return
             state.lease = weakref.ref(lease)
             if len(self.pending) >= MAX_PENDING:
-                oldest = next(iter(self.pending))
-                self.uploads.discard(oldest)
-                del self.pending[oldest]
+                self._unfollow(next(iter(self.pending)))
             self.pending[key] = state
             if state.eager and self.watch is not None and self.watch(True):
                 state.hold_checks = HOLD_CHECKS
                 self.uploads.add(key)
+
+    def _unfollow(self, key) -> None:
+        """Weigh the block no more (under ``_lock``)."""
+        self.pending.pop(key, None)
+        self.uploads.discard(key)
 
     def _judge_move(self, state: BlockState, size: int) -> None:
         """At the end of an interval in which the block moved between reads
@@ -314,7 +316,10 @@ class Placement:
         GPU's work since paid for a move there and back. An upload that did
         not (a program loading one array after another into the same
         memory, one pass each) is not moved as an upload again: the memory
-        goes back to NumPy, whose next writes fault it back."""
+        goes back to NumPy, whose next writes fault it back. A heavy block
+        moved at its hand-off and handed over again with no export is judged
+        here too, by the waits, as :meth:`_reconsider_heavy` judges a round
+        trip."""
         work = self.waits.get(state.device, 0.0) - state.mark  # the host's waits since the hand-off
         if state.handoff_moved and state.exports == 0 and state.heavy and self.mode == "auto":
             # Moved at its hand-off and handed over again with no export, so
@@ -373,8 +378,7 @@ class Placement:
         if capturing(self.cupy):
             return  # an event recorded or a stream waited for now would break the capture
         with self._lock:
-            self.pending.pop((base, size), None)  # with the host now
-            self.uploads.discard((base, size))
+            self._unfollow((base, size))  # with the host now
         with state.lock:
             self._export(state, base, size, waited,
                          self.cupy.cuda.get_current_stream() if stream is None else stream)
@@ -486,8 +490,7 @@ class Placement:
                     continue
                 lease = state.lease()
                 if lease is None:  # CuPy dropped its view: no kernel can reach it anew
-                    del self.pending[key]
-                    self.uploads.discard(key)
+                    self._unfollow(key)
                     continue
                 lost = (total - state.mark) * (1 - 1 / LINK_OVER_HBM)
                 if lost > key[1] * ONE_WAY_SECONDS_PER_BYTE:
@@ -517,8 +520,7 @@ class Placement:
                     if capturing(self.cupy):
                         return False  # a prefetch now would break the capture; a later wait decides
                     with self._lock:
-                        del self.pending[key]
-                        self.uploads.discard(key)
+                        self._unfollow(key)
                     state.start = None  # the hand-off's round trip is timed no more
                     self._to_gpu(state, key[0], key[1], cuda.get_current_stream())
             except RuntimeError as err:  # UmpError or CuPy's: the block stays where it is
@@ -599,19 +601,26 @@ class Placement:
         prefetch the results exported since to their GPU, whose kernels
         would otherwise fault back each page the host read; one that this
         allocation reuses is left to the rules for results."""
-        cuda = self.cupy.cuda
         for (base, bsize), device in self.returning.items():
             if ptr < base + bsize and base < ptr + size:
                 continue
             try:
-                with cuda.Device(device):
-                    if not capturing(self.cupy) and self._fits(bsize):
-                        _core.prefetch(base, bsize, device, cuda.get_current_stream().ptr)
+                with self.cupy.cuda.Device(device):
+                    if self._prefetch_here(base, bsize, device):
                         log.debug("result %#x (%d bytes) back to GPU %d", base, bsize, device)
             except RuntimeError:
                 pass  # UmpError or CuPy's: the allocation must not fail over a placement
         self.returning.clear()
         self._unwatch()
+
+    def _prefetch_here(self, base: int, size: int, device: int) -> bool:
+        """With ``device`` current: prefetch a CuPy block there on its current
+        stream, unless that is capturing a graph or the block would not fit;
+        whether it did."""
+        if capturing(self.cupy) or not self._fits(size):
+            return False
+        _core.prefetch(base, size, device, self.cupy.cuda.get_current_stream().ptr)
+        return True
 
     def on_cupy_malloc(self, ptr: int, size: int) -> None:
         """CuPy's pool handed out ``[ptr, ptr + size)`` (only while the
@@ -684,8 +693,7 @@ class Placement:
             with cuda.Device(device):
                 _core.advise(base, size, _core.ADVICE["unset_preferred_location"], -1)
                 _core.advise(base, size, _core.ADVICE["unset_accessed_by"], device)
-                if self._fits(size) and not capturing(self.cupy):
-                    _core.prefetch(base, size, device, cuda.get_current_stream().ptr)
+                self._prefetch_here(base, size, device)
         except RuntimeError:
             # UmpError or CuPy's CUDARuntimeError: the allocation or export
             # that got here must not fail over a placement; the block stays

@@ -140,6 +140,22 @@ def _once(program: Program, config: str, folder: str, cwd: str, timeout: float) 
     return out
 
 
+def _record(results: dict, program: Program, config: str, one: dict) -> None:
+    """Add one recorded run to ``results``. A run that failed counts for
+    nothing (a crash is quick); its round keeps its place, as None, so
+    rounds pair up."""
+    entry = results.setdefault(f"program {program.name}", {"suite": "programs"}).setdefault(
+        config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": [],
+                 "metrics": {}, "returncodes": [], "errors": []})
+    entry["returncodes"].append(one["rc"])
+    if "error" in one:
+        entry["errors"].append(one["error"])
+    for key, times, rounds in (("wall", "cpu_times", "round_cpu"), ("gpu", "gpu_times", "round_gpu")):
+        value = one[key] * 1e6 if one["rc"] == 0 and one[key] is not None else None
+        entry[rounds].append(value)
+        if value is not None:
+            entry[times].append(value)
+
 
 def run(configs, rounds: int, folder: str, *, warmup: int = 1, gpus: int = 1, timeout: float = 600,
         programs=PROGRAMS, progress=sys.stderr) -> tuple[dict, dict]:
@@ -175,21 +191,8 @@ def run(configs, rounds: int, folder: str, *, warmup: int = 1, gpus: int = 1, ti
                     wall = "" if one["wall"] is None else f"{one['wall']:.2f} s"
                     print(f"    {wall}{gpu}, exit {one['rc']}{': ' + str(one['error']) if 'error' in one else ''}",
                           file=progress, flush=True)
-                    if r < warmup:
-                        continue
-                    entry = results.setdefault(f"program {program.name}", {"suite": "programs"}).setdefault(
-                        config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": [],
-                                 "metrics": {}, "returncodes": [], "errors": []})
-                    entry["returncodes"].append(one["rc"])
-                    if "error" in one:
-                        entry["errors"].append(one["error"])
-                    # A run that failed counts for nothing (a crash is quick);
-                    # its round keeps its place, as None, so rounds pair up.
-                    for key, times, rounds_ in (("wall", "cpu_times", "round_cpu"), ("gpu", "gpu_times", "round_gpu")):
-                        value = one[key] * 1e6 if one["rc"] == 0 and one[key] is not None else None
-                        entry[rounds_].append(value)
-                        if value is not None:
-                            entry[times].append(value)
+                    if r >= warmup:
+                        _record(results, program, config, one)
     for per in results.values():
         for config, e in per.items():
             if config != "suite":
