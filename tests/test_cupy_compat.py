@@ -102,3 +102,65 @@ def test_sync_declarer_goes_through_cupys_sync_detection():
         declare()
     # a CuPy without sync detection: nothing to declare to
     _cupy_compat.sync_declarer(types.SimpleNamespace(_core=types.SimpleNamespace()))()
+
+
+def test_scalar_conversions_copy_through_the_hook_and_fall_back_to_cupys():
+    """bool(), int(), float(), complex() and item() ask the hook for a copy
+    of the element first (managed memory: no host read in place), and use
+    CuPy's own conversion where it has none; restore() gives CuPy's back."""
+    from ump._cupy_patch import CupyPatches
+
+    class Base:  # CuPy's _ndarray_base: each conversion goes through get()
+        def get(self, stream=None, order="C", out=None, blocking=True):
+            return np.float64(self.value)
+
+        def __bool__(self):
+            return bool(self.get())
+
+        def __int__(self):
+            return int(self.get())
+
+        def __float__(self):
+            return float(self.get())
+
+        def __complex__(self):
+            return complex(self.get())
+
+        def item(self):
+            return self.get().item()
+
+        for name in ("__dlpack__", "__dlpack_device__", "toDlpack"):
+            locals()[name] = lambda self, *a, **k: None
+        __cuda_array_interface__ = property(lambda self: {})
+
+    class ndarray(Base):
+        def __init__(self, value):
+            self.value = value
+
+    class Hook:
+        copied, got = [], []
+
+        def scalar(self, g):  # a copy of the element, or None: not managed memory
+            self.copied.append(g.value)
+            return None if g.value < 0 else np.array(g.value + 0.5)
+
+        def get(self, g, **kwargs):
+            self.got.append(g.value)
+            return np.float64(g.value)
+
+        def array(self, *args, **kwargs):
+            raise AssertionError("not called here")
+
+    cupy = type("cupy", (), {"ndarray": ndarray, "_core": type("core", (), {"array": None})})
+    hook = Hook()
+    patches = CupyPatches(cupy, hook)
+    patches.install()
+    try:
+        assert [bool(ndarray(0)), int(ndarray(2)), float(ndarray(2)), complex(ndarray(2)),
+                ndarray(2).item()] == [True, 2, 2.5, 2.5 + 0j, 2.5]
+        assert hook.got == []  # nothing read in place
+        assert [bool(ndarray(-1)), int(ndarray(-3)), ndarray(-3).item()] == [True, -3, -3.0]
+        assert hook.got == [-1, -3, -3]  # CuPy's own, through the patched get()
+    finally:
+        patches.restore()
+    assert float(ndarray(2)) == 2.0 and "__float__" not in ndarray.__dict__ and len(hook.copied) == 8

@@ -130,6 +130,36 @@ def test_host_reader_waits_for_the_kernel(gpu_backend, path, record):
     record(path=path, backend=name, result="shares" if name in shares else "copies", waits=ROUNDS)
 
 
+def test_a_scalar_is_the_value_the_kernel_wrote_and_managed_memory_copies_it(gpu_backend, monkeypatch):
+    """bool(), int(), float(), complex() and item() of a one-element array
+    return what a kernel still running on another stream writes (the wait).
+    On managed memory the element is copied, not read in place: no export,
+    so the host never faults in the page that a solver's next kernel writes
+    (``if norm(r) < tol`` each step). CuPy's errors for other sizes stay."""
+    name, cupy = gpu_backend
+    hook = ump._enable.current().cupy
+    exports = []
+    export = hook.export
+    monkeypatch.setattr(hook, "export", lambda g, *a, **k: exports.append(g.size) or export(g, *a, **k))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    g = cupy.zeros(N, dtype=cupy.float64)
+    conversions = (bool, int, float, complex, lambda x: x.item())
+    for i, convert in enumerate(conversions * 4, 1):
+        _race(cupy, g, stream, float(i))
+        got = convert(g[-1:])  # at once: the kernel is still spinning
+        assert got == convert(np.float64(i)) and type(got) is type(convert(np.float64(i))), f"round {i}"
+    assert (exports == []) == (name == "managed"), exports
+    flags = cupy.array([True, False])
+    assert bool(flags[0]) is True and flags[1].item() is False
+    assert complex(cupy.full((), 1 + 2j)) == 1 + 2j and int(cupy.arange(5, dtype=cupy.int8)[3]) == 3
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(flags)
+    with pytest.raises(ValueError, match="size 1"):
+        flags.item()
+    with pytest.warns(DeprecationWarning):
+        assert bool(cupy.zeros(0)) is False
+
+
 @pytest.mark.parametrize("path", ["cupy.asnumpy", "numpy.asarray"])
 def test_a_copy_into_another_gpu_is_finished_before_the_host_reads(gpu_backend, path):
     """CuPy copies into an array of GPU 1 with a kernel on the current GPU 0,

@@ -11,12 +11,18 @@ default) or for the stream the caller names (``sync="stream"``):
   wraps a NumPy array whose memory is a live GPU-visible ump block as a CuPy
   array at the same address. A dtype change is NumPy's cast on the host, as
   in stock CuPy, into a new ump block that CuPy then shares.
-- CuPy -> host: ``get`` (behind ``cupy.asnumpy``, ``tolist``, ``item``,
-  printing, pickling), ``__array_interface__`` and ``__array__`` (behind
+- CuPy -> host: ``get`` (behind ``cupy.asnumpy``, ``tolist``, printing,
+  pickling), ``__array_interface__`` and ``__array__`` (behind
   ``numpy.asarray``/``numpy.array``), ``__buffer__`` (``memoryview``,
   Python >= 3.12), and ``__dlpack__`` asked for the CPU
   (``numpy.from_dlpack``) share host-visible memory after the wait, and copy
   device memory after it.
+- CuPy -> a Python scalar: ``bool()``, ``int()``, ``float()``,
+  ``complex()`` and ``item()`` of a one-element array in managed memory
+  copy the element after the wait. Nothing can alias a Python scalar, and a
+  host read in place would fault the element's page over to the host, and
+  the next kernel writing near it would fault the page back: a solver's
+  residual check each step (``if norm(r) < tol``) paid both.
 - CuPy -> GPU libraries: ``__cuda_array_interface__``, ``__dlpack__`` with a
   stream, ``toDlpack`` wait likewise, then export as CuPy does, except that
   managed memory is reported as ``kDLCUDA`` (PyTorch and JAX refuse
@@ -29,6 +35,7 @@ do then, and exports to GPU libraries wait for nothing.
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import numpy
@@ -288,6 +295,22 @@ class CupyHook:
         # dtype without its descr comes back as raw bytes ('V12').
         same = view.dtype.char == g.dtype.char and view.dtype == g.dtype
         return view if same else view.view(g.dtype)
+
+    def scalar(self, g):
+        """The one element of ``g``, copied to the host after the wait, as a
+        0-d NumPy array; None where ``g`` is not one element of managed
+        memory (CuPy's own conversion, through :meth:`get`, serves it)."""
+        if g.size != 1:
+            return None
+        itemsize = g.dtype.itemsize
+        found = _block_of(g.data.ptr, (1,), (itemsize,), itemsize, kinds=("managed",))
+        if found is None:
+            return None
+        self.synchronize(None, g.data.device_id)
+        buf = ctypes.create_string_buffer(itemsize)  # pageable host memory, as stock CuPy's copy's
+        self.cupy.cuda.runtime.memcpy(ctypes.addressof(buf), g.data.ptr, itemsize,
+                                      self.cupy.cuda.runtime.memcpyDeviceToHost)
+        return numpy.frombuffer(buf, g.dtype, 1).reshape(())
 
     def get(self, g, stream=None, order="C", out=None, blocking=True):
         """Stands in for ``cupy.ndarray.get``."""

@@ -3,15 +3,18 @@
 ``cupy._core.array`` (behind ``cupy.array`` and ``cupy.asarray``) and, on
 ``cupy.ndarray``, ``get``, ``__array_interface__``, ``__array__``,
 ``__cuda_array_interface__``, ``__dlpack__``, ``__dlpack_device__``,
-``toDlpack`` and (Python >= 3.12) ``__buffer__``: each replacement calls the
-hook's conversion of the same name (ump/_cupy_hook.py), which calls CuPy's
-original where ump has nothing to add. ``restore()`` puts back exactly what
+``toDlpack``, (Python >= 3.12) ``__buffer__``, and the conversions to a
+Python scalar (``__bool__``, ``__int__``, ``__float__``, ``__complex__``,
+``item``): each replacement calls the hook's conversion (ump/_cupy_hook.py),
+which calls CuPy's original where ump has nothing to add. ``restore()`` puts back exactly what
 was there (``_cupy_compat.Patches``).
 """
 
 from __future__ import annotations
 
 import sys
+
+import numpy
 
 from ._cupy_compat import Patches
 
@@ -111,4 +114,25 @@ class CupyPatches:
                 return memoryview(view)
 
             methods["__buffer__"] = buffer
+        methods.update(self._scalars(self.cupy.ndarray))
+        return methods
+
+    def _scalars(self, nd) -> dict:
+        """The conversions of a one-element array to a Python scalar, which
+        copy the element (``hook.scalar``) rather than read it in place."""
+        hook, methods = self.hook, {}
+
+        def convert(name, to):
+            original = getattr(nd, name)
+
+            def method(self):
+                x = hook.scalar(self)
+                return original(self) if x is None else to(x)
+
+            method.__name__, method.__doc__ = name, original.__doc__
+            return method
+
+        for name, to in (("__bool__", bool), ("__int__", int), ("__float__", float),
+                         ("__complex__", complex), ("item", numpy.ndarray.item)):
+            methods[name] = convert(name, to)
         return methods
