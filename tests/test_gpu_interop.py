@@ -146,9 +146,18 @@ def test_a_scalar_is_the_value_the_kernel_wrote_and_managed_memory_copies_it(gpu
     conversions = (bool, int, float, complex, lambda x: x.item())
     for i, convert in enumerate(conversions * 4, 1):
         _race(cupy, g, stream, float(i))
-        got = convert(g[-1:])  # at once: the kernel is still spinning
+        got = convert(g[-1])  # at once: the kernel is still spinning
         assert got == convert(np.float64(i)) and type(got) is type(convert(np.float64(i))), f"round {i}"
     assert (exports == []) == (name == "managed"), exports
+    last = float(len(conversions) * 4)
+    for convert in conversions:  # a one-element 1-d array converts, or is refused, as NumPy's
+        try:
+            expected = convert(np.full(1, last))
+        except TypeError:
+            with pytest.raises(TypeError):
+                convert(g[:1])
+        else:
+            assert convert(g[:1]) == expected
     flags = cupy.array([True, False])
     assert bool(flags[0]) is True and flags[1].item() is False
     assert complex(cupy.full((), 1 + 2j)) == 1 + 2j and int(cupy.arange(5, dtype=cupy.int8)[3]) == 3

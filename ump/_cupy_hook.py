@@ -298,7 +298,7 @@ class CupyHook:
 
     def scalar(self, g):
         """The one element of ``g``, copied to the host after the wait, as a
-        0-d NumPy array; None where ``g`` is not one element of managed
+        NumPy array of ``g``'s shape; None where ``g`` is not one element of managed
         memory (CuPy's own conversion, through :meth:`get`, serves it)."""
         if g.size != 1:
             return None
@@ -310,7 +310,9 @@ class CupyHook:
         buf = ctypes.create_string_buffer(itemsize)  # pageable host memory, as stock CuPy's copy's
         self.cupy.cuda.runtime.memcpy(ctypes.addressof(buf), g.data.ptr, itemsize,
                                       self.cupy.cuda.runtime.memcpyDeviceToHost)
-        return numpy.frombuffer(buf, g.dtype, 1).reshape(())
+        # g's own shape: NumPy's conversions then raise where they would
+        # for get()'s array (int() of a 1-d array, NumPy >= 2.5).
+        return numpy.frombuffer(buf, g.dtype, 1).reshape(g.shape)
 
     def get(self, g, stream=None, order="C", out=None, blocking=True):
         """Stands in for ``cupy.ndarray.get``."""
