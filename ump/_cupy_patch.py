@@ -6,8 +6,8 @@
 ``toDlpack``, (Python >= 3.12) ``__buffer__``, and the conversions to a
 Python scalar (``__bool__``, ``__int__``, ``__float__``, ``__complex__``,
 ``item``): each replacement calls the hook's conversion (ump/_cupy_hook.py),
-which calls CuPy's original where ump has nothing to add. ``restore()`` puts back exactly what
-was there (``_cupy_compat.Patches``).
+which calls CuPy's original where ump has nothing to add. ``restore()`` puts
+back exactly what was there (``_cupy_compat.Patches``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ reallocates the same array learns too:
 - **Work between other arrays' reads** (the block is handed over, then
   kernels read it again and again while the host reads only other arrays,
   such as a solver's scalar residual): at every wait for the GPU that ump
-  makes (exports of any array, scalar reads among them), the host's waits
+  makes (exports of any array, and scalar reads, which copy), the host's waits
   on the block's device since its last hand-off are a lower bound of the
   GPU time spent meanwhile, of which over the link about 95 % would be
   lost if the kernels read this block. Once that loss exceeds what the
