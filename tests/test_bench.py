@@ -6,6 +6,7 @@ import argparse
 import copy
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -510,7 +511,7 @@ def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, mon
     monkeypatch.setenv("UMP_BACKEND", "bogus")  # the runner starts programs without the caller's UMP_*
     prog = programs.Program("cg", "cg/cg.py", ("--tol", "1"), programs._GPU_SECONDS)
     err = io.StringIO()
-    results, skipped = programs.run(["stock", "auto"], 2, str(tmp_path), programs=(prog,), progress=err)
+    results, skipped = programs.run(["stock", "auto"], 2, {"cupy": str(tmp_path)}, programs=(prog,), progress=err)
     lines = log.read_text().splitlines()
     stock, ump_run = "['--tol', '1'] False None", "['--tol', '1'] True 1"
     assert lines == [stock, ump_run, stock, stock, ump_run]  # warm-up (stock) + 2 rounds, turning
@@ -533,9 +534,11 @@ def test_programs_that_fail_or_need_a_missing_module_are_reported(tmp_path, monk
     monkeypatch.setenv("FAKE_PROGRAM_EXIT", "3")
     fails = programs.Program("cg", "cg/cg.py")
     needs = programs.Program("plots", "cg/cg.py", needs=("no_such_module_here",))
-    results, skipped = programs.run(["stock"], 1, str(tmp_path), warmup=0, programs=(fails, needs),
-                                    progress=io.StringIO())
-    assert skipped == {"program plots": "no_such_module_here is not installed"}
+    elsewhere = programs.Program("pylops solver", "pytests/test_solver.py", source="pylops")
+    results, skipped = programs.run(["stock"], 1, {"cupy": str(tmp_path)}, warmup=0,
+                                    programs=(fails, needs, elsewhere), progress=io.StringIO())
+    assert skipped["program plots"] == "no_such_module_here is not installed"
+    assert skipped["program pylops solver"].startswith("no folder of pylops's programs was named (pip install pylops")
     assert results["program cg"]["stock"]["returncodes"] == [3]
     assert results["program cg"]["stock"]["cpu_times"] == [] and results["program cg"]["stock"]["round_cpu"] == [None]
     assert "exit [3]" in programs.table({"configs": ["stock", "auto"],
@@ -543,19 +546,96 @@ def test_programs_that_fail_or_need_a_missing_module_are_reported(tmp_path, monk
                                                                     "auto": results["program cg"]["stock"]}}})
 
 
-def test_the_programs_suite_names_where_to_get_cupys_examples(tmp_path, monkeypatch):
+def test_the_programs_suite_tells_its_sources_apart_and_names_where_to_get_them(tmp_path, monkeypatch):
     from ump.bench import programs
 
     monkeypatch.delenv(programs.ENV, raising=False)
     with pytest.raises(ValueError, match="git clone .*cupy"):
-        programs.examples_dir()
-    with pytest.raises(ValueError, match="cg/cg.py is missing"):
-        programs.examples_dir(str(tmp_path))
-    (tmp_path / "cg").mkdir()
-    (tmp_path / "cg" / "cg.py").write_text("")
-    monkeypatch.setenv(programs.ENV, str(tmp_path))
-    assert programs.examples_dir() == str(tmp_path)
+        programs.folders()
+    with pytest.raises(ValueError, match=r"holds no programs the suite knows: none of cg/cg.py \(cupy\), "
+                                         r"pytests/test_leastsquares.py \(pylops\)"):
+        programs.folders([str(tmp_path)])
+    cupy, pylops = tmp_path / "examples", tmp_path / "pylops"
+    (cupy / "cg").mkdir(parents=True)
+    (cupy / "cg" / "cg.py").write_text("")
+    (pylops / "pytests").mkdir(parents=True)
+    (pylops / "pytests" / "test_leastsquares.py").write_text("")
+    monkeypatch.setenv(programs.ENV, f"{pylops}{os.pathsep}{cupy}")
+    assert programs.folders() == {"cupy": str(cupy), "pylops": str(pylops)}
+    assert programs.folders([str(cupy)]) == {"cupy": str(cupy)}
     assert programs.command("stock", "x.py", ("-a",))[1:] == ["x.py", "-a"]
     assert programs.command("auto", "x.py")[1:] == ["-m", "ump", "run", "x.py"]
     assert programs.command("managed:migrate", "x.py")[1:] == [
         "-m", "ump", "run", "--backend", "managed", "--placement", "migrate", "x.py"]
+    assert programs.command("stock", "t.py", ("-q",), "pytest")[1:] == ["-m", "pytest", "t.py", "-q"]
+    assert programs.command("auto", "t.py", (), "pytest")[1:] == ["-m", "ump", "run", "-m", "pytest", "t.py"]
+
+
+_FAKE_CUPYX = '''
+raise RuntimeError("the bench imported cupyx")
+
+
+def argrelmin(data):
+    """Relative minima.
+
+    Examples
+    --------
+    >>> import os, sys
+    >>> log = open(os.environ["FAKE_PROGRAM_LOG"], "a")
+    >>> for word in ("docs", str("ump" in sys.modules)):
+    ...     log.write(word + " ")
+    >>> log.write(os.environ.get("UMP_LAUNCHED", "-") + chr(10))
+    """
+
+
+class KDTree:
+    def query(self):
+        """No examples here."""
+'''
+
+_FAKE_RUNNER = """
+import os, sys
+with open(os.environ["FAKE_PROGRAM_LOG"], "a") as f:
+    f.write(f"runner {sys.argv[1:]} {os.environ.get('TEST_CUPY_PYLOPS')} {'ump' in sys.modules}\\n")
+"""
+
+
+def test_docstring_examples_and_test_runners_run_as_programs(tmp_path, monkeypatch):
+    """A cupyx docstring's examples become a script, in order, read from the
+    file without importing it; a program run as ``-m MODULE`` gets its
+    source's environment; both run under stock and the launcher."""
+    from ump.bench import programs
+
+    site = tmp_path / "site"
+    (site / "cupyx" / "scipy").mkdir(parents=True)
+    (site / "cupyx" / "__init__.py").write_text(_FAKE_CUPYX)
+    (site / "cupyx" / "scipy" / "fake.py").write_text(_FAKE_CUPYX)
+    (site / "fakerunner.py").write_text(_FAKE_RUNNER)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+
+    script = programs.docstring_script("cupyx/scipy/fake.py:argrelmin", str(tmp_path))
+    with open(script) as f:
+        assert f.read().startswith("import os, sys\nlog = open(")
+    with pytest.raises(ValueError, match="defines no KDTree.nope"):
+        programs.docstring_script("cupyx/scipy/fake.py:KDTree.nope", str(tmp_path))
+    with pytest.raises(ValueError, match="docstring of KDTree.query .* has no examples"):
+        programs.docstring_script("cupyx/scipy/fake.py:KDTree.query", str(tmp_path))
+
+    (tmp_path / "pylops" / "pytests").mkdir(parents=True)
+    (tmp_path / "pylops" / "pytests" / "test_leastsquares.py").write_text("")
+    docs = programs.Program("doc", "cupyx/scipy/fake.py:argrelmin", source="cupyx-docs")
+    runner = programs.Program("runner", "pytests/test_leastsquares.py", ("-q",), source="pylops",
+                              module="fakerunner", env=(("TEST_CUPY_PYLOPS", "1"),))
+    missing = programs.Program("gone", "cupyx/scipy/fake.py:nothing", source="cupyx-docs")
+    results, skipped = programs.run(["stock", "auto"], 1, {"pylops": str(tmp_path / "pylops")}, warmup=0,
+                                    programs=(docs, runner, missing), progress=io.StringIO())
+    assert list(skipped) == ["program gone"] and "defines no nothing" in skipped["program gone"]
+    test_file = str(tmp_path / "pylops" / "pytests" / "test_leastsquares.py")
+    assert log.read_text().splitlines() == [
+        "docs False -", "docs True 1",
+        f"runner ['{test_file}', '-q'] 1 False", f"runner ['{test_file}', '-q'] 1 True"]
+    assert results["program doc"]["auto"]["returncodes"] == [0]
+    assert results["program runner"]["stock"]["returncodes"] == [0]

@@ -201,8 +201,9 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
     bench.add_argument("--input", metavar="NEW.json", help="with --compare: compare this file, run nothing")
     bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag (%(default)s)")
-    bench.add_argument("--programs", metavar="DIR",
-                       help="CuPy's examples/ folder, which the programs suite runs (default: $UMP_BENCH_PROGRAMS)")
+    bench.add_argument("--programs", metavar="DIR", action="append",
+                       help="a folder of programs the programs suite runs: CuPy's examples/, a PyLops checkout "
+                            "(once per folder; default: $UMP_BENCH_PROGRAMS)")
     bench.add_argument("--rounds", type=_at_least_one, default=1,
                        help="run every configuration this many times, interleaved (spread across processes)")
     return bench

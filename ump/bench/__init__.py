@@ -173,16 +173,16 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
                      lambda s: _suite_missing(s, missing))
     if configs:
         _check_names("configuration", configs, KNOWN_CONFIGS, _runnable(caps), config_why_not)
-    folder = None
+    found = None
     if suites is not None and PROGRAMS in suites:
         try:
-            folder = programs.examples_dir(programs_dir)
+            found = programs.folders(programs_dir)
         except ValueError as err:
             raise ArgumentError(str(err)) from None
         suites = [s for s in suites if s != PROGRAMS]
     if suites is None:
         suites = _default_suites(runnable_suites, missing, progress)
-    if folder is not None and not configs:
+    if found is not None and not configs:
         configs = ["stock", "auto"]  # other people's programs: stock against what a user gets
     # suites that set up their own configurations run once, in "imported"
     if not configs:
@@ -211,8 +211,8 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         results[case] = {"suite": per.pop("suite")}
         for config, e in per.items():
             results[case][config] = {"cpu": summary(e["cpu_times"]), "gpu": summary(e["gpu_times"]), **e}
-    if folder is not None:
-        ran, not_run = programs.run([c for c in configs if c != "imported"], rounds, folder,
+    if found is not None:
+        ran, not_run = programs.run([c for c in configs if c != "imported"], rounds, found,
                                     gpus=len(caps.devices), progress=progress)
         results.update(ran)
         skipped.update(not_run)

@@ -1,11 +1,21 @@
 """The ``programs`` suite: programs nobody in this project wrote, run
 unedited, each under stock ``python`` and under ``python -m ump run``.
 
-The programs are CuPy's own examples (tag v14.2.0), read from a checkout of
-CuPy's source: ``UMP_BENCH_PROGRAMS`` (or ``bench --programs``) names its
-``examples/`` folder. Each run is a process of its own; what is recorded is
-the process's wall time and the GPU time the program prints itself, where it
-prints one. A first round, under the first configuration, warms CuPy's
+The programs come from three sources (:data:`SOURCES`):
+
+- CuPy's own examples (tag v14.2.0), from a checkout of CuPy's source;
+- the examples in the docstrings of the installed CuPy's ``cupyx.scipy``,
+  each docstring's code in order, as doctest would run it, written to a
+  script (their expected output is not compared);
+- PyLops (2.5.0, installed), a published solver library, through its own
+  tests run on CuPy as its documentation says (``TEST_CUPY_PYLOPS=1``),
+  from a checkout of its source.
+
+``UMP_BENCH_PROGRAMS`` (or ``bench --programs``, once per folder) names the
+folders: CuPy's ``examples/`` and PyLops's checkout (whose test settings apply), told apart by the
+files they hold; a source not named is skipped with the reason. Each run is
+a process of its own; what is recorded is the process's wall time and the
+GPU time the program prints itself, where it prints one. A first round, under the first configuration, warms CuPy's
 kernel cache and is not recorded; then every round runs every program under every configuration, the order
 of the configurations turning from round to round so that slow drift of the
 machine spreads over all of them.
@@ -13,7 +23,9 @@ machine spreads over all of them.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import doctest
 import importlib.util
 import math
 import os
@@ -25,23 +37,65 @@ import time
 
 from .summary import summary
 
-__all__ = ["PROGRAMS", "ENV", "Program", "command", "examples_dir", "run", "table"]
+__all__ = ["PROGRAMS", "SOURCES", "ENV", "Program", "Source", "command", "docstring_script", "folders",
+           "run", "table"]
 
-#: The variable that names CuPy's ``examples/`` folder.
+#: The variable that names the programs' folders (``os.pathsep`` between them).
 ENV = "UMP_BENCH_PROGRAMS"
 _GPU_SECONDS = r"GPU[^:\n]*:\s*([0-9.]+) sec"  # ' GPU :  1.23 sec', 'GPU (CuPy, ...):\t1.2 sec'
 
 
 @dataclasses.dataclass(frozen=True)
+class Source:
+    """Where programs come from."""
+    name: str
+    marker: str | None  # a file its folder holds; None: the installed CuPy is the source
+    how: str            # how to get the folder
+
+
+#: The sources, by name.
+SOURCES = {s.name: s for s in (
+    Source("cupy", "cg/cg.py", "git clone --depth 1 --branch v14.2.0 https://github.com/cupy/cupy, "
+                               "then name cupy/examples"),
+    Source("pylops", "pytests/test_leastsquares.py",
+           "pip install pylops==2.5.0; git clone --depth 1 --branch v2.5.0 https://github.com/PyLops/pylops, "
+           "then name pylops"),
+    Source("cupyx-docs", None, "the installed CuPy"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     name: str
-    path: str                   # under examples/
+    path: str                   # under its source's folder; for cupyx-docs FILE:NAME under cupyx's parent
     args: tuple = ()
     gpu_time: str | None = None  # a regex: group 1 of every match, summed, times `unit`, is its GPU time
     unit: float = 1.0            # seconds per printed unit
     needs: tuple = ()            # modules it imports beyond NumPy and CuPy
     gpus: int = 1
+    source: str = "cupy"
+    module: str | None = None    # run as ``python -m MODULE path args`` (a test runner)
+    env: tuple = ()              # (NAME, VALUE) pairs its source's documentation says to set
 
+
+#: The docstrings of cupyx.scipy (v14.2.0) whose examples run under stock
+#: CuPy: (name, FILE:NAME under cupyx/scipy). The others do not: names
+#: undefined in them (``cupy`` after ``import cupy as cp``, ``cusignal``),
+#: continuation lines the doctest markup lost, a NumPy conversion of a CuPy
+#: array that stock CuPy refuses, modules not installed (cuCIM).
+_DOCS = (
+    ("signal.argrelmin", "signal/_peak_finding.py:argrelmin"),
+    ("signal.argrelmax", "signal/_peak_finding.py:argrelmax"),
+    ("signal.argrelextrema", "signal/_peak_finding.py:argrelextrema"),
+    ("signal.unit_impulse", "signal/_waveforms.py:unit_impulse"),
+    ("interpolate.interpn", "interpolate/_rgi.py:interpn"),
+    ("interpolate.RegularGridInterpolator", "interpolate/_rgi.py:RegularGridInterpolator.__call__"),
+    ("stats.trim_mean", "stats/_stats.py:trim_mean"),
+    ("ndimage.value_indices", "ndimage/_measurements.py:value_indices"),
+)
+#: PyLops's test modules of its solvers and the operators they use, run on
+#: CuPy (all pass under stock CuPy).
+_PYLOPS = ("leastsquares", "solver", "basicoperators", "linearoperator")
 
 #: The programs, with the arguments that make a run repeatable (sgemm draws
 #: its sizes at random otherwise).
@@ -69,50 +123,110 @@ PROGRAMS = (
     Program("custom_struct builtin_vectors", "custom_struct/builtin_vectors.py"),
     Program("custom_struct complex_struct", "custom_struct/complex_struct.py"),
     Program("custom_struct packed_matrix", "custom_struct/packed_matrix.py"),
+    *(Program(f"cupyx.scipy {name}", f"cupyx/scipy/{path}", source="cupyx-docs") for name, path in _DOCS),
+    *(Program(f"pylops {name}", f"pytests/test_{name}.py", ("-q", "-p", "no:cacheprovider", "-p", "no:ump.pytest_plugin"),
+              needs=("pylops", "pytest", "scipy"), source="pylops", module="pytest",
+              env=(("TEST_CUPY_PYLOPS", "1"),))
+      for name in _PYLOPS),
 )
 
 
-def examples_dir(path: str | None = None) -> str:
-    """The folder holding CuPy's examples: ``path``, else ``UMP_BENCH_PROGRAMS``.
+def folders(paths=None) -> dict:
+    """The programs' folders by source: ``paths`` (a list, or one string
+    with ``os.pathsep`` between folders), else ``UMP_BENCH_PROGRAMS``. Each
+    folder is the source whose marker file it holds.
 
     Raises
     ------
     ValueError
-        Neither names a folder with CuPy's examples.
+        No folder is named, or one holds none of the sources' markers.
     """
-    path = path or os.environ.get(ENV)
-    how = ("git clone --depth 1 --branch v14.2.0 https://github.com/cupy/cupy, then "
-           f"{ENV}=cupy/examples (or bench --programs cupy/examples)")
-    if not path:
-        raise ValueError(f"the programs suite runs CuPy's examples: {how}")
-    if not os.path.isfile(os.path.join(path, PROGRAMS[0].path)):
-        raise ValueError(f"{path} holds no CuPy examples ({PROGRAMS[0].path} is missing): {how}")
-    return os.path.abspath(path)
+    if paths is None:
+        paths = os.environ.get(ENV, "")
+    if isinstance(paths, str):
+        paths = paths.split(os.pathsep)
+    paths = [p for p in paths if p]
+    cupy = SOURCES["cupy"]
+    if not paths:
+        raise ValueError(f"the programs suite runs CuPy's examples: {cupy.how} "
+                         f"({ENV}=cupy/examples, or bench --programs cupy/examples)")
+    found = {}
+    for path in paths:
+        for source in SOURCES.values():
+            if source.marker and os.path.isfile(os.path.join(path, source.marker)):
+                found[source.name] = os.path.abspath(path)
+                break
+        else:
+            markers = ", ".join(f"{s.marker} ({s.name})" for s in SOURCES.values() if s.marker)
+            raise ValueError(f"{path} holds no programs the suite knows: none of {markers} is there; "
+                             f"CuPy's examples: {cupy.how}")
+    return found
 
 
-def command(config: str, script: str, args=()) -> list[str]:
-    """The command line that runs ``script`` under ``config``: ``stock`` is
-    plain Python, which never imports ump; ``auto`` is ``python -m ump run``
-    with nothing else; ``BACKEND[:PLACEMENT]`` names them."""
+def command(config: str, script: str, args=(), module: str | None = None) -> list[str]:
+    """The command line that runs ``script`` (or ``-m module script``) under
+    ``config``: ``stock`` is plain Python, which never imports ump; ``auto``
+    is ``python -m ump run`` with nothing else; ``BACKEND[:PLACEMENT]``
+    names them."""
+    target = [script, *args] if module is None else ["-m", module, script, *args]
     if config == "stock":
-        return [sys.executable, script, *args]
+        return [sys.executable, *target]
     backend, _, placement = config.partition(":")
     options = [] if backend == "auto" else ["--backend", backend]
     if placement:
         options += ["--placement", placement]
-    return [sys.executable, "-m", "ump", "run", *options, script, *args]
+    return [sys.executable, "-m", "ump", "run", *options, *target]
 
 
-def _environment() -> dict:
-    """The caller's environment without ump's settings: each configuration
-    says all it sets on its command line."""
+def _environment(program: Program) -> dict:
+    """The caller's environment without ump's settings (each configuration
+    says all it sets on its command line), with what the program's source
+    says to set."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("UMP_") and k != "CUPY_ENABLE_UMP"}
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(program.env)
     return env
 
 
-def _missing(program: Program, gpus: int) -> str | None:
+def docstring_script(target: str, folder: str) -> str:
+    """Write the examples of one docstring of the installed CuPy to a script
+    in ``folder``, in order, each as doctest would run it (the expected
+    output is not compared); its path. ``target`` is ``FILE:NAME`` (or
+    ``FILE:CLASS.NAME``), FILE under the folder that holds ``cupyx``. The
+    file is parsed, not imported.
+
+    Raises
+    ------
+    ValueError
+        CuPy is not installed, or the docstring is not there or has no examples.
+    """
+    file, _, qualname = target.partition(":")
+    spec = importlib.util.find_spec("cupyx")  # a top-level name: found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("cupyx is not installed")
+    path = os.path.join(os.path.dirname(list(spec.submodule_search_locations)[0]), file)
+    with open(path, encoding="utf-8") as f:
+        body = ast.parse(f.read()).body
+    node = None
+    for name in qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name), None)
+        if node is None:
+            raise ValueError(f"{path} defines no {qualname}")
+        body = node.body
+    examples = doctest.DocTestParser().get_examples(ast.get_docstring(node) or "")
+    if not examples:
+        raise ValueError(f"the docstring of {qualname} in {path} has no examples")
+    script = os.path.join(folder, "doc_" + re.sub(r"\W", "_", target) + ".py")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write("".join(e.source for e in examples))
+    return script
+
+
+def _missing(program: Program, gpus: int, found: dict) -> str | None:
+    source = SOURCES[program.source]
+    if source.marker and program.source not in found:
+        return f"no folder of {source.name}'s programs was named ({source.how})"
     for module in program.needs:
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed"
@@ -121,12 +235,11 @@ def _missing(program: Program, gpus: int) -> str | None:
     return None
 
 
-def _once(program: Program, config: str, folder: str, cwd: str, timeout: float) -> dict:
-    script = os.path.join(folder, program.path)
+def _once(program: Program, config: str, script: str, cwd: str, timeout: float) -> dict:
     start = time.perf_counter()
     try:
-        proc = subprocess.run(command(config, script, program.args), cwd=cwd, env=_environment(),
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(command(config, script, program.args, program.module), cwd=cwd,
+                              env=_environment(program), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"wall": None, "gpu": None, "rc": None, "error": f"ran past {timeout:.0f} s"}
     wall = time.perf_counter() - start
@@ -136,7 +249,8 @@ def _once(program: Program, config: str, folder: str, cwd: str, timeout: float) 
         gpu = sum(found) * program.unit if found else None
     out = {"wall": wall, "gpu": gpu, "rc": proc.returncode}
     if proc.returncode != 0:
-        out["error"] = proc.stderr.strip().splitlines()[-1:] or ["(no message)"]
+        # A test runner says what failed on stdout, a script on stderr.
+        out["error"] = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["(no message)"]
     return out
 
 
@@ -157,24 +271,34 @@ def _record(results: dict, program: Program, config: str, one: dict) -> None:
             entry[times].append(value)
 
 
-def run(configs, rounds: int, folder: str, *, warmup: int = 1, gpus: int = 1, timeout: float = 600,
+def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, timeout: float = 600,
         programs=PROGRAMS, progress=sys.stderr) -> tuple[dict, dict]:
     """(results, skipped): per program and configuration, the wall and
     printed GPU times of ``rounds`` runs (microseconds, as the other suites),
-    after ``warmup`` rounds that are not recorded."""
-    folder = os.path.abspath(folder)  # the programs run in a folder of their own
+    after ``warmup`` rounds that are not recorded. ``found``: the folders by
+    source (:func:`folders`)."""
+    found = {name: os.path.abspath(path) for name, path in found.items()}  # the programs run elsewhere
     chosen, skipped = [], {}
     for program in programs:
-        why = _missing(program, gpus)
+        why = _missing(program, gpus, found)
         if why is None:
             chosen.append(program)
         else:
             skipped[f"program {program.name}"] = why
             print(f"program skipped ({program.name}): {why}", file=progress, flush=True)
     results: dict = {}
-    steps = (warmup + rounds * len(configs)) * len(chosen)
-    done, t0 = 0, time.perf_counter()
     with tempfile.TemporaryDirectory() as cwd:
+        scripts = {}
+        for program in list(chosen):
+            try:
+                scripts[program] = (docstring_script(program.path, cwd) if program.source == "cupyx-docs"
+                                    else os.path.join(found[program.source], program.path))
+            except (OSError, SyntaxError, ValueError) as err:
+                chosen.remove(program)
+                skipped[f"program {program.name}"] = str(err)
+                print(f"program skipped ({program.name}): {err}", file=progress, flush=True)
+        steps = (warmup + rounds * len(configs)) * len(chosen)
+        done, t0 = 0, time.perf_counter()
         for r in range(warmup + rounds):
             # Warming CuPy's kernel cache takes one run of each program.
             order = configs[:1] if r < warmup else configs[r % len(configs):] + configs[:r % len(configs)]
@@ -186,7 +310,7 @@ def run(configs, rounds: int, folder: str, *, warmup: int = 1, gpus: int = 1, ti
                     label = "warm-up" if r < warmup else f"round {r - warmup + 1}/{rounds}"
                     print(f"[{done}/{steps}] {label} {program.name} [{config}] "
                           f"({elapsed:.0f} s so far, ~{eta:.0f} s left)", file=progress, flush=True)
-                    one = _once(program, config, folder, cwd, timeout)
+                    one = _once(program, config, scripts[program], cwd, timeout)
                     gpu = "" if one["gpu"] is None else f", GPU {one['gpu']:.3f} s"
                     wall = "" if one["wall"] is None else f"{one['wall']:.2f} s"
                     print(f"    {wall}{gpu}, exit {one['rc']}{': ' + str(one['error']) if 'error' in one else ''}",
