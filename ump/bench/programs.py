@@ -124,7 +124,8 @@ PROGRAMS = (
     Program("custom_struct complex_struct", "custom_struct/complex_struct.py"),
     Program("custom_struct packed_matrix", "custom_struct/packed_matrix.py"),
     *(Program(f"cupyx.scipy {name}", f"cupyx/scipy/{path}", source="cupyx-docs") for name, path in _DOCS),
-    *(Program(f"pylops {name}", f"pytests/test_{name}.py", ("-q", "-p", "no:cacheprovider", "-p", "no:ump.pytest_plugin"),
+    *(Program(f"pylops {name}", f"pytests/test_{name}.py",
+              ("-q", "-p", "no:cacheprovider", "-p", "no:ump.pytest_plugin"),  # its settings, not ump's plugin
               needs=("pylops", "pytest", "scipy"), source="pylops", module="pytest",
               env=(("TEST_CUPY_PYLOPS", "1"),))
       for name in _PYLOPS),
