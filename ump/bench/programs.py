@@ -12,10 +12,11 @@ The programs come from three sources (:data:`SOURCES`):
   from a checkout of its source.
 
 ``UMP_BENCH_PROGRAMS`` (or ``bench --programs``, once per folder) names the
-folders: CuPy's ``examples/`` and PyLops's checkout (whose test settings apply), told apart by the
-files they hold; a source not named is skipped with the reason. Each run is
-a process of its own; what is recorded is the process's wall time and the
-GPU time the program prints itself, where it prints one. A first round, under the first configuration, warms CuPy's
+folders: CuPy's ``examples/`` and PyLops's checkout (whose test settings
+apply), told apart by the files they hold; a source not named is skipped
+with the reason. Each run is a process of its own; what is recorded is the
+process's wall time and the GPU time the program prints itself, where it
+prints one. A first round, under the first configuration, warms CuPy's
 kernel cache and is not recorded; then every round runs every program under every configuration, the order
 of the configurations turning from round to round so that slow drift of the
 machine spreads over all of them.
@@ -82,7 +83,8 @@ class Program:
 #: CuPy: (name, FILE:NAME under cupyx/scipy). The others do not: names
 #: undefined in them (``cupy`` after ``import cupy as cp``, ``cusignal``),
 #: continuation lines the doctest markup lost, a NumPy conversion of a CuPy
-#: array that stock CuPy refuses, modules not installed (cuCIM).
+#: array that stock CuPy refuses, arguments the documented method refuses
+#: (KDTree's lists and tuples), modules not installed (cuCIM).
 _DOCS = (
     ("signal.argrelmin", "signal/_peak_finding.py:argrelmin"),
     ("signal.argrelmax", "signal/_peak_finding.py:argrelmax"),
@@ -279,25 +281,21 @@ def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, ti
     after ``warmup`` rounds that are not recorded. ``found``: the folders by
     source (:func:`folders`)."""
     found = {name: os.path.abspath(path) for name, path in found.items()}  # the programs run elsewhere
-    chosen, skipped = [], {}
-    for program in programs:
-        why = _missing(program, gpus, found)
-        if why is None:
-            chosen.append(program)
-        else:
+    skipped, results = {}, {}
+    with tempfile.TemporaryDirectory() as cwd:
+        scripts = {}  # the programs this machine runs, and the file each runs
+        for program in programs:
+            why = _missing(program, gpus, found)
+            if why is None:
+                try:
+                    scripts[program] = (docstring_script(program.path, cwd) if program.source == "cupyx-docs"
+                                        else os.path.join(found[program.source], program.path))
+                    continue
+                except (OSError, SyntaxError, ValueError) as err:
+                    why = str(err)
             skipped[f"program {program.name}"] = why
             print(f"program skipped ({program.name}): {why}", file=progress, flush=True)
-    results: dict = {}
-    with tempfile.TemporaryDirectory() as cwd:
-        scripts = {}
-        for program in list(chosen):
-            try:
-                scripts[program] = (docstring_script(program.path, cwd) if program.source == "cupyx-docs"
-                                    else os.path.join(found[program.source], program.path))
-            except (OSError, SyntaxError, ValueError) as err:
-                chosen.remove(program)
-                skipped[f"program {program.name}"] = str(err)
-                print(f"program skipped ({program.name}): {err}", file=progress, flush=True)
+        chosen = list(scripts)
         steps = (warmup + rounds * len(configs)) * len(chosen)
         done, t0 = 0, time.perf_counter()
         for r in range(warmup + rounds):
