@@ -160,6 +160,9 @@ def test_a_scalar_is_the_value_the_kernel_wrote_and_managed_memory_copies_it(gpu
             assert convert(g[:1]) == expected
     flags = cupy.array([True, False])
     assert bool(flags[0]) is True and flags[1].item() is False
+    fields = ",".join(["f8"] * 9)  # 72 bytes: wider than the pinned buffer an element is copied into
+    wide = cupy.asarray(np.array([tuple(range(9))], dtype=fields))
+    assert wide[0].item() == tuple(float(i) for i in range(9))
     assert complex(cupy.full((), 1 + 2j)) == 1 + 2j and int(cupy.arange(5, dtype=cupy.int8)[3]) == 3
     with pytest.raises(ValueError, match="ambiguous"):
         bool(flags)
@@ -352,6 +355,8 @@ def test_a_graph_capture_survives_host_reads_refused_and_takes_zero_copy_arrays(
             gx *= 2
             # a GPU consumer waits for nothing: its work is captured on CuPy's stream
             assert gx.__cuda_array_interface__["stream"] == s.ptr
+        big = cupy.empty(4 << 20, dtype=cupy.float32)  # a fresh block: no prefetch, which would end the capture
+        big.fill(3)
         graph = s.end_capture()  # raises if the capture was invalidated
     assert not s.is_capturing()
     assert x[0] == 1.0  # captured, not run
@@ -359,6 +364,7 @@ def test_a_graph_capture_survives_host_reads_refused_and_takes_zero_copy_arrays(
     s.synchronize()
     assert (x == (1.0 if name == "device" else 2.0)).all()
     assert cupy.asnumpy(a)[-1] == (1 << 20) - 1
+    assert float(big[-1]) == 3.0
     if name != "device":
         # an event the policy had recorded during the capture could not be timed here
         assert (cupy.asnumpy(gx) == 2.0).all()

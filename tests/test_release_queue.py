@@ -73,6 +73,34 @@ def test_on_one_gpu_a_wait_asks_for_no_other():
     assert counts == [1]  # the device count is read once
 
 
+def test_with_nothing_deferred_a_wait_is_the_device_wait_alone():
+    # A solver reads a scalar each step: with nothing to release, the wait
+    # neither takes the queue's lock nor numbers anything.
+    log = []
+    cupy = _fake_cupy(log)
+    cupy.cuda.runtime.getDevice = lambda: 0
+    queue = ReleaseQueue(cupy)
+
+    class NoLock:
+        def __enter__(self):
+            pytest.fail("the lock was taken with nothing deferred")
+
+        def __exit__(self, *exc):
+            return False
+
+        def acquire(self, blocking=True):
+            pytest.fail("the lock was taken with nothing deferred")
+
+    lock, queue._lock = queue._lock, NoLock()
+    queue.wait_for(0)
+    queue.wait_for()
+    assert log == [("sync",)] * 2 and queue._count == 0
+    queue._lock = lock
+    queue.defer(np.ones(4), 0)  # one deferred: the next wait releases it
+    queue.wait_for(0)
+    assert log == [("sync",)] * 3 and len(queue) == 0
+
+
 def test_bytes_only_the_queue_holds_drain_every_device():
     log = []
     queue = ReleaseQueue(_fake_cupy(log))

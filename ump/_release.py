@@ -180,9 +180,16 @@ class ReleaseQueue:
 
     def _wait(self, devices: list[int], current: int) -> None:
         cuda = self.cupy.cuda
-        mark = self.mark()
         if self._device_count is None:
             self._device_count = cuda.runtime.getDeviceCount()
+        if (self._device_count == 1 and devices == [current] and not self._inbox
+                and not any(list(self._pending.values()))):
+            # Nothing deferred: the wait alone (a solver's scalar read each
+            # step comes here). An array deferred meanwhile waits for the
+            # next wait, which only keeps it longer.
+            cuda.runtime.deviceSynchronize()
+            return
+        mark = self.mark()
         if self._device_count > 1:
             # A kernel or copy on one GPU writes another's memory through
             # peer access (CuPy runs a cross-device copy on the current
