@@ -553,6 +553,27 @@ def test_placement_auto_sends_a_result_the_host_read_back_to_the_gpu(gpu_caps):
     assert float(y.sum()) == pytest.approx(2 * total)
 
 
+def test_a_large_cupy_block_is_on_the_gpu_before_its_first_kernel(gpu_caps):
+    """A kernel's first touch of managed memory faults each page over (~100
+    ms per GiB on an H200, where device memory needs nothing): a block of 1
+    MiB or more that the arena hands CuPy's pool is prefetched to the GPU
+    first, which the driver's last prefetch location shows before any kernel."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    pool = ump._enable.current().cupy.pool
+    g = cupy.empty(16 << 20, dtype=cupy.float32)  # 64 MiB
+    ump.prefetch(g, to="host")  # wherever the memory was before, the host now
+    assert _range_attribute(g.data.ptr, g.nbytes, "LastPrefetchLocation") == -1
+    del g
+    pool.free_all_blocks()  # back to the arena: the next block is the arena's again
+    g = cupy.empty(16 << 20, dtype=cupy.float32)
+    assert _range_attribute(g.data.ptr, g.nbytes, "LastPrefetchLocation") == 0
+    g.fill(3)
+    assert float(g.sum()) == 3.0 * g.size
+
+
 @pytest.mark.serial
 def test_placement_auto_moves_a_matrix_to_the_device_its_view_lives_on(gpu_caps):
     """On GPU 1 (``cupy.cuda.Device(1)``): the waits counted are GPU 1's and

@@ -18,6 +18,12 @@ from ._release import ReleaseQueue
 
 __all__ = ["UnifiedUpstream", "CupyAllocator", "retry_after_recovery"]
 
+#: CuPy blocks of managed memory from this size up are prefetched to the GPU
+#: when the arena hands them out: a kernel's first touch of fresh managed
+#: memory faults it in at ~100 ms per GiB on an H200, the prefetch populates
+#: it in ~5 ms (docs/backends.md). Smaller blocks share pages already there.
+POPULATE_MIN_BYTES = 1 << 20
+
 #: cudaErrorMemoryAllocation, the status of CuPy's CUDARuntimeError when
 #: cudaMalloc finds no memory (CuPy 14's runtime module does not export the
 #: name).
@@ -82,8 +88,9 @@ class UnifiedUpstream:
     """
 
     def __init__(self, cupy, arena, backend_name: str, release: ReleaseQueue, error_class,
-                 spill: bool, device: int = 0, arena_for=None, on_free=None):
+                 spill: bool, device: int = 0, arena_for=None, on_free=None, populate: bool = False):
         self.cupy = cupy
+        self.populate = populate  # managed memory: put a large block's pages on the GPU first
         self.on_free = on_free  # told the base of each block the pool gives back
         self.spill = spill
         self.arena = arena  # the enabled device's
@@ -99,6 +106,8 @@ class UnifiedUpstream:
         cuda = self.cupy.cuda
         ptr = _core._arena_alloc(arena.id, size)
         if ptr:
+            if self.populate and size >= POPULATE_MIN_BYTES:
+                self._to_gpu(ptr, size, device)
             mem = cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cuda.runtime, self.on_free), device)
             return cuda.memory.MemoryPointer(mem, 0), 0
         status = _core.last_status()  # per thread: read before anything else allocates
@@ -111,6 +120,18 @@ class UnifiedUpstream:
             if err.status != CUDA_ERROR_MEMORY_ALLOCATION:
                 raise
             return None, status
+
+    def _to_gpu(self, ptr: int, size: int, device: int) -> None:
+        """Prefetch a block CuPy is about to write to ``device``, on the
+        current stream, which orders it before the kernel. Not while a
+        graph is captured (a prefetch would invalidate the capture), and not
+        at the cost of the allocation: the kernel's faults do the same."""
+        if capturing(self.cupy):
+            return
+        try:
+            _core.prefetch(ptr, size, device, self.cupy.cuda.get_current_stream().ptr)
+        except (RuntimeError, OSError):  # UmpError names the CUDA error; the faults stand in
+            pass
 
     def __call__(self, size: int):
         device = self.cupy.cuda.runtime.getDevice()  # CuPy's pool asks on its own device
@@ -165,7 +186,8 @@ class CupyAllocator:
         if pool is None:
             self._upstream = UnifiedUpstream(cupy, arena, backend.name, release, error_class,
                                              spill=backend.spills_to_device, device=device,
-                                             arena_for=arena_for)
+                                             arena_for=arena_for,
+                                             populate=backend.provider == _core.PROVIDER_MANAGED)
             pool = self._upstream.pool = cupy.cuda.MemoryPool(self._upstream)
         self.pool = pool
         self.saved = None  # the allocator CuPy had
