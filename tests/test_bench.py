@@ -606,13 +606,17 @@ def test_docstring_examples_and_test_runners_run_as_programs(tmp_path, monkeypat
     source's environment; both run under stock and the launcher."""
     from ump.bench import programs
 
+    # The installed cupyx stands apart (its import would raise), so programs
+    # that import the real CuPy, the launcher's included, still can.
     site = tmp_path / "site"
     (site / "cupyx" / "scipy").mkdir(parents=True)
     (site / "cupyx" / "__init__.py").write_text(_FAKE_CUPYX)
     (site / "cupyx" / "scipy" / "fake.py").write_text(_FAKE_CUPYX)
-    (site / "fakerunner.py").write_text(_FAKE_RUNNER)
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(programs, "_cupyx_root", lambda: str(site))
+    runners = tmp_path / "runners"
+    runners.mkdir()
+    (runners / "fakerunner.py").write_text(_FAKE_RUNNER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(runners), os.environ.get("PYTHONPATH", "")]))
     log = tmp_path / "log"
     monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
 
@@ -623,6 +627,8 @@ def test_docstring_examples_and_test_runners_run_as_programs(tmp_path, monkeypat
         programs.docstring_script("cupyx/scipy/fake.py:KDTree.nope", str(tmp_path))
     with pytest.raises(ValueError, match="docstring of KDTree.query .* has no examples"):
         programs.docstring_script("cupyx/scipy/fake.py:KDTree.query", str(tmp_path))
+    with pytest.raises(ValueError, match="this CuPy has no cupyx/scipy/gone.py"):
+        programs.docstring_script("cupyx/scipy/gone.py:argrelmin", str(tmp_path))
 
     (tmp_path / "pylops" / "pytests").mkdir(parents=True)
     (tmp_path / "pylops" / "pytests" / "test_leastsquares.py").write_text("")

@@ -192,6 +192,20 @@ def _environment(program: Program) -> dict:
     return env
 
 
+def _cupyx_root() -> str:
+    """The folder that holds the installed ``cupyx`` (found, not imported).
+
+    Raises
+    ------
+    ValueError
+        CuPy is not installed.
+    """
+    spec = importlib.util.find_spec("cupyx")  # a top-level name: found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("cupyx is not installed")
+    return os.path.dirname(list(spec.submodule_search_locations)[0])
+
+
 def docstring_script(target: str, folder: str) -> str:
     """Write the examples of one docstring of the installed CuPy to a script
     in ``folder``, in order, each as doctest would run it (the expected
@@ -202,15 +216,16 @@ def docstring_script(target: str, folder: str) -> str:
     Raises
     ------
     ValueError
-        CuPy is not installed, or the docstring is not there or has no examples.
+        CuPy is not installed, or the file or the docstring is not there, or
+        the docstring has no examples.
     """
     file, _, qualname = target.partition(":")
-    spec = importlib.util.find_spec("cupyx")  # a top-level name: found, not imported
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("cupyx is not installed")
-    path = os.path.join(os.path.dirname(list(spec.submodule_search_locations)[0]), file)
-    with open(path, encoding="utf-8") as f:
-        body = ast.parse(f.read()).body
+    path = os.path.join(_cupyx_root(), file)
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = ast.parse(f.read()).body
+    except OSError as err:
+        raise ValueError(f"this CuPy has no {file}: {err.strerror}") from err
     node = None
     for name in qualname.split("."):
         node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name), None)
