@@ -606,11 +606,10 @@ def test_docstring_examples_and_test_runners_run_as_programs(tmp_path, monkeypat
     source's environment; both run under stock and the launcher."""
     from ump.bench import programs
 
-    # The installed cupyx stands apart (its import would raise), so programs
-    # that import the real CuPy, the launcher's included, still can.
+    # The fake cupyx is not on any path (its file raises if imported), so
+    # programs that import the real CuPy, the launcher's included, still can.
     site = tmp_path / "site"
     (site / "cupyx" / "scipy").mkdir(parents=True)
-    (site / "cupyx" / "__init__.py").write_text(_FAKE_CUPYX)
     (site / "cupyx" / "scipy" / "fake.py").write_text(_FAKE_CUPYX)
     monkeypatch.setattr(programs, "_cupyx_root", lambda: str(site))
     runners = tmp_path / "runners"

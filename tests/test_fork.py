@@ -90,7 +90,9 @@ class _FakeCupyHook:
 
 def test_a_cupy_hook_uninstalled_without_cuda_only_puts_cupy_back():
     # Each of a full uninstall's other steps calls CUDA: the placement's
-    # advice, the wait for the device, the pool's frees.
+    # advice, the wait for the device, the pool's frees, and freeing the
+    # pinned buffers scalar conversions copy into.
+    from ump import _cupy_hook
     from ump._cupy_hook import CupyHook
 
     from ump._cupy_alloc import CupyAllocator
@@ -105,12 +107,21 @@ def test_a_cupy_hook_uninstalled_without_cuda_only_puts_cupy_back():
     hook.placement = types.SimpleNamespace(close=lambda: calls.append("placement closed"))
     hook.release = types.SimpleNamespace(wait_for=lambda: calls.append("device waited for"))
     hook.pool = types.SimpleNamespace(free_all_blocks=lambda: calls.append("pool freed"))
+
+    class Pinned:
+        def __del__(self):
+            calls.append("pinned freed")
+
+    hook._element_buffers = [Pinned()]
     hook.uninstall(cuda=False)
     assert calls == ["set_allocator(CuPy's allocator)", "patches restored"]
+    assert hook._element_buffers == [] and isinstance(_cupy_hook._KEPT_IN_CHILD[-1], Pinned)
+    del _cupy_hook._KEPT_IN_CHILD[-1]
     calls.clear()
+    hook._element_buffers = [Pinned()]
     hook.uninstall()
-    assert calls == ["set_allocator(CuPy's allocator)", "placement closed", "patches restored",
-                     "device waited for", "pool freed"]
+    assert calls == ["set_allocator(CuPy's allocator)", "pinned freed", "placement closed",
+                     "patches restored", "device waited for", "pool freed"]
 
 
 def test_disable_in_a_forked_child_restores_the_allocators_without_cuda(caps):

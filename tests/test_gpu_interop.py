@@ -332,14 +332,21 @@ def test_waits_are_declared_to_cupys_sync_detection(gpu_backend):
     assert g.get()[3] == 3.0
 
 
-def test_a_graph_capture_survives_host_reads_refused_and_takes_zero_copy_arrays(gpu_backend):
+def test_a_graph_capture_survives_host_reads_refused_and_takes_zero_copy_arrays(gpu_backend, monkeypatch):
     """CuPy refuses a host transfer while the current stream captures a
     graph, before any CUDA call; a device-wide wait then would invalidate the
-    capture (CuPy's test_graph.py, test_stream_capture_failure3 and 5)."""
+    capture (CuPy's test_graph.py, test_stream_capture_failure3 and 5). A
+    large block CuPy takes then is not prefetched, which would invalidate the
+    capture too; after it, one is."""
     name, cupy = gpu_backend
+    prefetched = []
+    prefetch = ump._core.prefetch
+    monkeypatch.setattr(ump._core, "prefetch", lambda ptr, size, *a: prefetched.append(size) or prefetch(ptr, size, *a))
     a = cupy.arange(1 << 20, dtype=cupy.float32)
     x = np.ones(4 << 20, np.float32)  # 16 MiB: a block the placement policy times from its hand-off
     s, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    assert (a.nbytes in prefetched) == (name == "managed")  # 4 MiB, before the capture
+    prefetched.clear()
     with s:
         s.begin_capture()
         for read in (lambda: bool(a.sum() > 0), lambda: cupy.asnumpy(a), lambda: np.asarray(a),
@@ -355,10 +362,13 @@ def test_a_graph_capture_survives_host_reads_refused_and_takes_zero_copy_arrays(
             gx *= 2
             # a GPU consumer waits for nothing: its work is captured on CuPy's stream
             assert gx.__cuda_array_interface__["stream"] == s.ptr
-        big = cupy.empty(4 << 20, dtype=cupy.float32)  # a fresh block: no prefetch, which would end the capture
+        big = cupy.empty(4 << 20, dtype=cupy.float32)  # 16 MiB, a fresh block
         big.fill(3)
         graph = s.end_capture()  # raises if the capture was invalidated
     assert not s.is_capturing()
+    assert prefetched == []  # nothing was prefetched while the stream captured
+    after = cupy.empty(5 << 20, dtype=cupy.float32)
+    assert (after.nbytes in prefetched) == (name == "managed")
     assert x[0] == 1.0  # captured, not run
     graph.launch(s)
     s.synchronize()

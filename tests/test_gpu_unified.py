@@ -555,8 +555,8 @@ def test_placement_auto_sends_a_result_the_host_read_back_to_the_gpu(gpu_caps):
 
 def test_a_large_cupy_block_is_on_the_gpu_before_its_first_kernel(gpu_caps):
     """A kernel's first touch of managed memory faults each page over (~100
-    ms per GiB on an H200, where device memory needs nothing): a block of 1
-    MiB or more that the arena hands CuPy's pool is prefetched to the GPU
+    ms per GiB on an H200, where device memory needs nothing): a block larger
+    than 1 MiB that the arena hands CuPy's pool is prefetched to the GPU
     first, which the driver's last prefetch location shows before any kernel."""
     require_backend(gpu_caps, "managed")
     ump.enable("managed", cap=4 << 30)

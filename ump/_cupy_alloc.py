@@ -18,10 +18,11 @@ from ._release import ReleaseQueue
 
 __all__ = ["UnifiedUpstream", "CupyAllocator", "retry_after_recovery"]
 
-#: CuPy blocks of managed memory from this size up are prefetched to the GPU
+#: CuPy blocks of managed memory larger than this are prefetched to the GPU
 #: when the arena hands them out: a kernel's first touch of fresh managed
 #: memory faults it in at ~100 ms per GiB on an H200, the prefetch populates
-#: it in ~5 ms (docs/backends.md). Smaller blocks share pages already there.
+#: it in ~5 ms (docs/backends.md). Requests up to this size are slab blocks
+#: of the arena, sharing pages that earlier blocks of the slab put there.
 POPULATE_MIN_BYTES = 1 << 20
 
 #: cudaErrorMemoryAllocation, the status of CuPy's CUDARuntimeError when
@@ -106,7 +107,7 @@ class UnifiedUpstream:
         cuda = self.cupy.cuda
         ptr = _core._arena_alloc(arena.id, size)
         if ptr:
-            if self.populate and size >= POPULATE_MIN_BYTES:
+            if self.populate and size > POPULATE_MIN_BYTES:
                 self._to_gpu(ptr, size, device)
             mem = cuda.memory.UnownedMemory(ptr, size, _Chunk(ptr, cuda.runtime, self.on_free), device)
             return cuda.memory.MemoryPointer(mem, 0), 0
@@ -123,9 +124,11 @@ class UnifiedUpstream:
 
     def _to_gpu(self, ptr: int, size: int, device: int) -> None:
         """Prefetch a block CuPy is about to write to ``device``, on the
-        current stream, which orders it before the kernel. Not while a
-        graph is captured (a prefetch would invalidate the capture), and not
-        at the cost of the allocation: the kernel's faults do the same."""
+        current stream, which orders it before the kernel. It puts on the
+        GPU no more than the kernel's first touch would (the arena's budget
+        already bounds the block). Not while a graph is captured (a prefetch
+        would invalidate the capture), and not at the cost of the
+        allocation: the kernel's faults do the same."""
         if capturing(self.cupy):
             return
         try:

@@ -54,6 +54,9 @@ __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
 #: Kinds whose blocks a kernel can use at their host address.
 GPU_KINDS = frozenset({"system", "managed", "pinned"})
 
+#: Pinned buffers of hooks uninstalled in a forked child, which must not free them.
+_KEPT_IN_CHILD: list = []
+
 #: Bytes of a pinned buffer a scalar conversion copies its element into
 #: (complex128 and small structured elements; wider ones use pageable memory).
 _ELEMENT_BYTES = 64
@@ -309,8 +312,8 @@ class CupyHook:
         A solver reads one each step (``if norm(r) < tol``), so this path
         is kept to the calls it needs: one lookup, the wait, one copy into
         pinned memory (a copy out of managed memory costs ~5 µs more than
-        out of device memory whatever the API; into pageable memory ~2.5
-        µs more again)."""
+        out of device memory whatever the API; into pageable memory 2.3–2.8
+        µs more again: docs/performance.md)."""
         if g.size != 1:
             return None
         ptr, dtype = g.data.ptr, g.dtype
@@ -325,7 +328,10 @@ class CupyHook:
             runtime.memcpy(ctypes.addressof(host), ptr, itemsize, runtime.memcpyDeviceToHost)
             return numpy.frombuffer(host, dtype, 1).reshape(g.shape)
         free = self._element_buffers
-        host = free.pop() if free else self._element_buffer()
+        try:
+            host = free.pop()
+        except IndexError:
+            host = self._element_buffer()
         try:
             runtime.memcpy(host.ptr, ptr, itemsize, runtime.memcpyDeviceToHost)
             # g's own shape: NumPy's conversions then raise where they would
@@ -424,9 +430,13 @@ class CupyHook:
         clean-up, each of which calls CUDA: what they would release stays
         with the process until it exits."""
         self.allocator.restore()
+        buffers, self._element_buffers = self._element_buffers, []
         if not cuda:
+            # Freeing pinned memory is a CUDA call: a forked child keeps them.
+            _KEPT_IN_CHILD.extend(buffers)
             self.patches.restore()
             return
+        del buffers  # freed now, not whenever the hook is dropped
         self.placement.close()
         self.patches.restore()
         # Not self.synchronize(): disable() must not fail half-way under

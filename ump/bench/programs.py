@@ -224,7 +224,7 @@ def docstring_script(target: str, folder: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             body = ast.parse(f.read()).body
-    except OSError as err:
+    except (FileNotFoundError, NotADirectoryError) as err:
         raise ValueError(f"this CuPy has no {file}: {err.strerror}") from err
     node = None
     for name in qualname.split("."):
