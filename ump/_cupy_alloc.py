@@ -92,6 +92,7 @@ class UnifiedUpstream:
                  spill: bool, device: int = 0, arena_for=None, on_free=None, populate: bool = False):
         self.cupy = cupy
         self.populate = populate  # managed memory: put a large block's pages on the GPU first
+        self.prefetch = None  # set by the hook: the placement's prefetch of a CuPy block to its GPU
         self.on_free = on_free  # told the base of each block the pool gives back
         self.spill = spill
         self.arena = arena  # the enabled device's
@@ -123,16 +124,16 @@ class UnifiedUpstream:
             return None, status
 
     def _to_gpu(self, ptr: int, size: int, device: int) -> None:
-        """Prefetch a block CuPy is about to write to ``device``, on the
-        current stream, which orders it before the kernel. It puts on the
-        GPU no more than the kernel's first touch would (the arena's budget
-        already bounds the block). Not while a graph is captured (a prefetch
-        would invalidate the capture), and not at the cost of the
-        allocation: the kernel's faults do the same."""
-        if capturing(self.cupy):
+        """Prefetch a block CuPy is about to write to ``device`` (the current
+        one), through the placement's prefetch: on the current stream, which
+        orders it before the kernel; not while a graph is captured (that
+        would invalidate the capture) nor where the block would not fit on
+        the GPU. Never at the cost of the allocation: the kernel's faults do
+        the same."""
+        if self.prefetch is None:
             return
         try:
-            _core.prefetch(ptr, size, device, self.cupy.cuda.get_current_stream().ptr)
+            self.prefetch(ptr, size, device)
         except (RuntimeError, OSError):  # UmpError names the CUDA error; the faults stand in
             pass
 
@@ -201,6 +202,7 @@ class CupyAllocator:
         self.placement = placement
         if self._upstream is not None:
             self._upstream.on_free = placement.on_block_freed
+            self._upstream.prefetch = placement.prefetch_here
 
     def install(self) -> None:
         self.saved = self.cupy.cuda.get_allocator()

@@ -318,8 +318,7 @@ class CupyHook:
             return None
         ptr, dtype = g.data.ptr, g.dtype
         itemsize = dtype.itemsize
-        kind, base, size, _ = _core.lookup_owner(ptr)
-        if kind != "managed" or ptr + itemsize > base + size:
+        if _block_of(ptr, (1,), (itemsize,), itemsize, kinds=("managed",)) is None:
             return None
         self.synchronize(None, g.data.device_id)
         runtime = self.cupy.cuda.runtime

@@ -606,14 +606,14 @@ class Placement:
                 continue
             try:
                 with self.cupy.cuda.Device(device):
-                    if self._prefetch_here(base, bsize, device):
+                    if self.prefetch_here(base, bsize, device):
                         log.debug("result %#x (%d bytes) back to GPU %d", base, bsize, device)
             except RuntimeError:
                 pass  # UmpError or CuPy's: the allocation must not fail over a placement
         self.returning.clear()
         self._unwatch()
 
-    def _prefetch_here(self, base: int, size: int, device: int) -> bool:
+    def prefetch_here(self, base: int, size: int, device: int) -> bool:
         """With ``device`` current: prefetch a CuPy block there on its current
         stream, unless that is capturing a graph or the block would not fit;
         whether it did."""
@@ -693,7 +693,7 @@ class Placement:
             with cuda.Device(device):
                 _core.advise(base, size, _core.ADVICE["unset_preferred_location"], -1)
                 _core.advise(base, size, _core.ADVICE["unset_accessed_by"], device)
-                self._prefetch_here(base, size, device)
+                self.prefetch_here(base, size, device)
         except RuntimeError:
             # UmpError or CuPy's CUDARuntimeError: the allocation or export
             # that got here must not fail over a placement; the block stays
