@@ -380,6 +380,36 @@ def test_placement_auto_puts_a_heavy_block_back_on_the_host_when_its_work_shrink
 
 
 @pytest.mark.serial
+def test_placement_auto_moves_a_new_block_of_a_heavy_blocks_size_at_its_first_hand_off(gpu_caps):
+    """A loop that makes its next array before it drops the last one hands
+    over two 256 MiB blocks in turn. Ten kernels over the link make the
+    first heavy; the second moves at its first hand-off instead of paying
+    that round trip again, and the loop's arrays then move each time, in
+    whichever block the arena gives them. Every read sees every kernel."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    warm = cupy.ones(8, dtype=np.float32)
+    warm *= 2  # compiled before anything is timed
+    a, blocks, on_gpu = None, [], []
+    for k in range(4):
+        a = np.full(64 << 20, float(k), dtype=np.float32)  # made while the last one lives
+        _, base, size = ump._core.lookup(a.ctypes.data)
+        blocks.append(base)
+        g = cupy.asarray(a)
+        on_gpu.append(placement.state(base, size).on_gpu)
+        for _ in range(10):
+            g *= 2
+        b = cupy.asnumpy(g)
+        assert b.ctypes.data == a.ctypes.data and (b[::1024] == k * 1024.0).all()
+        assert placement.state(base, size).heavy
+    assert blocks[0] != blocks[1]  # the second is a block ump had not seen
+    assert on_gpu == [None, 0, 0, 0]
+
+
+@pytest.mark.serial
 def test_a_heavy_block_is_read_only_after_a_non_default_stream_wrote_it(gpu_caps):
     """Kernels on a non-blocking stream over a 256 MiB block, read at once
     from the default stream: every read sees every kernel, while the block

@@ -118,6 +118,12 @@ def test_round_trips_learn_to_migrate_once_the_gpu_time_beats_a_migration(moves)
     assert moves == [(GiB, 0), (GiB, -1)] and cupy.stream_waits == 1
 
 
+def _step_at(policy, cupy, base, size, seconds):
+    """`_step` for the block at `base`."""
+    cupy.work(seconds)
+    policy.on_host_export("managed", base, size, seconds)
+
+
 def _heavy(policy, cupy, size):
     """Make the block at BASE heavy: a round trip of ten kernels over the link."""
     policy.on_handoff("managed", BASE, size)
@@ -143,6 +149,51 @@ def test_a_heavy_block_whose_work_shrinks_is_host_resident_again(moves):
     _step(policy, cupy, GiB, 0.26)
     policy.on_handoff("managed", BASE, GiB)
     assert policy.state(BASE, GiB).heavy and moves == [(GiB, 0), (GiB, -1)] * 3 + [(GiB, 0)]
+
+
+def test_a_new_block_of_a_heavy_blocks_size_starts_heavy_until_one_of_that_size_is_not(moves):
+    """A loop that makes its next array before it drops the last hands over
+    two blocks in turn: the second learns from the first's verdict."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    other = BASE + 2 * GiB
+    _heavy(policy, cupy, GiB)
+    policy.on_handoff("managed", other, GiB)  # never seen: moved at once
+    assert policy.state(other, GiB).heavy and moves == [(GiB, 0)]
+    cupy.work(0.0128)  # its ten kernels in HBM
+    policy.on_host_export("managed", other, GiB, 0.0128)
+    assert moves == [(GiB, 0), (GiB, -1)] and policy.state(other, GiB).heavy
+    policy.on_handoff("managed", BASE + 4 * GiB, GiB // 2)  # another size learns on its own
+    assert moves == [(GiB, 0), (GiB, -1)] and not policy.state(BASE + 4 * GiB, GiB // 2).heavy
+    policy.on_handoff("managed", other, GiB)
+    cupy.work(0.0013)  # one kernel: the work shrank, not heavy any more
+    policy.on_host_export("managed", other, GiB, 0.0013)
+    assert not policy.state(other, GiB).heavy
+    policy.on_handoff("managed", BASE + 6 * GiB, GiB)  # so a new block of that size starts on the host
+    assert not policy.state(BASE + 6 * GiB, GiB).heavy and moves == [(GiB, 0), (GiB, -1)] * 2
+
+
+def test_a_block_seen_before_without_a_verdict_takes_its_sizes(moves):
+    """Blocks that carried single passes earlier (no verdict: too little
+    work says nothing of the next array) take on the verdict of a block of
+    their size; a block with a verdict of its own keeps it."""
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    other, single = BASE + 2 * GiB, BASE + 4 * GiB
+    for base in (BASE, other, single):
+        policy.on_handoff("managed", base, GiB)
+        _step_at(policy, cupy, base, GiB, 0.026)  # a single pass over the link
+    policy.on_handoff("managed", single, GiB)  # shrunk once heavy: a verdict of its own
+    _step_at(policy, cupy, single, GiB, 0.26)
+    policy.on_handoff("managed", single, GiB)
+    _step_at(policy, cupy, single, GiB, 0.0013)
+    assert not policy.state(single, GiB).heavy and moves == [(GiB, 0), (GiB, -1)]
+    _heavy(policy, cupy, GiB)
+    policy.on_handoff("managed", other, GiB)  # no verdict of its own: moved at once
+    assert moves == [(GiB, 0), (GiB, -1), (GiB, 0)]
+    _step_at(policy, cupy, other, GiB, 0.0128)
+    policy.on_handoff("managed", single, GiB)  # its own verdict stands
+    assert moves == [(GiB, 0), (GiB, -1)] * 2 and not policy.state(single, GiB).heavy
 
 
 def test_a_heavy_block_is_timed_from_the_end_of_its_migration(moves, monkeypatch):

@@ -17,7 +17,12 @@ reallocates the same array learns too:
   of the migration: when its kernels took so little that even over the
   link, at the slowdown of a memory-bound kernel, they would have cost
   under half a migration there and back, the work has shrunk and the block
-  is host-resident again until it earns the migration anew.
+  is host-resident again until it earns the migration anew. A block with
+  no verdict of its own is heavy when the last verdict on a block of its
+  size was: a loop that makes a new array before it drops the last one
+  (``a = np.empty(n); ...``) hands over two blocks in turn, and each would
+  otherwise pay one round trip over the link to learn what the other
+  showed.
 - **Work between other arrays' reads** (the block is handed over, then
   kernels read it again and again while the host reads only other arrays,
   such as a solver's scalar residual): at every wait for the GPU that ump
@@ -169,6 +174,7 @@ def only_view_holds(lease) -> bool:
 class BlockState:
     on_gpu: int | None = None   # the device ump migrated the block to
     heavy: bool = False         # round trips: GPU time on it beat a migration there and back
+    judged: bool = False        # heavy or not by its own measurement, not its size's
     peeked: bool = False        # peek loops: leaving it on the GPU paid
     start: object = None        # event recorded at the hand-off being measured
     start_device: int = -1      # the device that event belongs to
@@ -219,6 +225,9 @@ class Placement:
         #: Blocks handed over whose CuPy view may still be read by kernels,
         #: host-resident: weighed at every wait (:meth:`on_sync`).
         self.pending: dict[tuple[int, int], BlockState] = {}
+        #: Block sizes whose last verdict was heavy: a new block of such a
+        #: size starts heavy (:meth:`_verdict`).
+        self.heavy_sizes: set[int] = set()
         self.waits: dict[int, float] = {}  # device -> seconds the host waited for it
         self.wait_ends: dict[int, float] = {}  # device -> when the last counted wait ended
         #: Pending blocks asked at CuPy's allocations whether only CuPy holds
@@ -274,10 +283,13 @@ class Placement:
             if state is None:
                 if len(self.blocks) >= MAX_BLOCKS:
                     self.blocks.clear()
+                    self.heavy_sizes.clear()
                     self.pending.clear()  # followed states no export could reach any more
                     self.uploads.clear()
                 state = self.blocks[(base, size)] = BlockState()
         with state.lock:
+            if not state.judged and size in self.heavy_sizes:
+                state.heavy = True  # no verdict of its own yet: its size's stands
             self._judge_move(state, size)
             moved = state.handoff_moved = self._handoff(state, base, size)
             # A block not moved now is weighed from here, wherever an earlier
@@ -310,6 +322,14 @@ class Placement:
         self.pending.pop(key, None)
         self.uploads.discard(key)
 
+    def _verdict(self, state: BlockState, size: int, heavy: bool) -> None:
+        """The block's own verdict, which blocks of its size with none of their own take on."""
+        state.heavy, state.judged = heavy, True
+        if heavy:
+            self.heavy_sizes.add(size)
+        else:
+            self.heavy_sizes.discard(size)
+
     def _judge_move(self, state: BlockState, size: int) -> None:
         """At the end of an interval in which the block moved between reads
         or as an upload (its export, or the next hand-off): whether the
@@ -328,12 +348,12 @@ class Placement:
             # until the host touches them either way).
             state.handoff_moved = False
             if 0 < work * LINK_OVER_HBM < size * MIGRATION_SECONDS_PER_BYTE / 2:
-                state.heavy = False
+                self._verdict(state, size, False)
         if not state.synced:
             return
         state.synced = False
         paid = work * (1 - 1 / LINK_OVER_HBM) > size * MIGRATION_SECONDS_PER_BYTE
-        state.heavy = paid
+        self._verdict(state, size, paid)
         if not paid:
             state.eager = False
 
@@ -433,14 +453,14 @@ class Placement:
         the host's wait, unlike the one that made the block heavy: GPU idle
         time only overstates the work, so an error keeps the block heavy."""
         if elapsed is not None and elapsed * LINK_OVER_HBM < size * MIGRATION_SECONDS_PER_BYTE / 2:
-            state.heavy = False
+            self._verdict(state, size, False)
 
     def _learn_host_resident(self, state: BlockState, base: int, size: int, stream,
                              seconds: float | None) -> None:
         if seconds is None or self.mode != "auto":
             return
         if state.exports == 1 and seconds > size * MIGRATION_SECONDS_PER_BYTE:
-            state.heavy = True  # measured from the hand-off: a round trip's work
+            self._verdict(state, size, True)  # measured from the hand-off: a round trip's work
         state.host_seconds = seconds
         if (state.exports >= 2 and not state.stay_host
                 and seconds > size * ONE_WAY_SECONDS_PER_BYTE):
