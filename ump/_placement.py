@@ -225,8 +225,8 @@ class Placement:
         #: Blocks handed over whose CuPy view may still be read by kernels,
         #: host-resident: weighed at every wait (:meth:`on_sync`).
         self.pending: dict[tuple[int, int], BlockState] = {}
-        #: Block sizes whose last verdict was heavy: a new block of such a
-        #: size starts heavy (:meth:`_verdict`).
+        #: Block sizes whose last verdict was heavy: a block of such a size
+        #: with no verdict of its own is heavy (:meth:`_verdict`).
         self.heavy_sizes: set[int] = set()
         self.waits: dict[int, float] = {}  # device -> seconds the host waited for it
         self.wait_ends: dict[int, float] = {}  # device -> when the last counted wait ended
