@@ -385,28 +385,34 @@ def test_placement_auto_moves_a_new_block_of_a_heavy_blocks_size_at_its_first_ha
     over two 256 MiB blocks in turn. Ten kernels over the link make the
     first heavy; the second moves at its first hand-off instead of paying
     that round trip again, and the loop's arrays then move each time, in
-    whichever block the arena gives them. Every read sees every kernel."""
+    whichever block the arena gives them. The kernels run on a non-blocking
+    stream and the host reads at once from the default one: every read sees
+    every kernel."""
     require_backend(gpu_caps, "managed")
     ump.enable("managed", cap=4 << 30)
     import cupy
 
     placement = ump._enable.current().cupy.placement
+    stream = cupy.cuda.Stream(non_blocking=True)
     warm = cupy.ones(8, dtype=np.float32)
     warm *= 2  # compiled before anything is timed
     a, blocks, on_gpu = None, [], []
-    for k in range(4):
+    for k in range(8):
         a = np.full(64 << 20, float(k), dtype=np.float32)  # made while the last one lives
         _, base, size = ump._core.lookup(a.ctypes.data)
         blocks.append(base)
-        g = cupy.asarray(a)
+        g = cupy.asarray(a)  # on the default stream
         on_gpu.append(placement.state(base, size).on_gpu)
-        for _ in range(10):
-            g *= 2
-        b = cupy.asnumpy(g)
-        assert b.ctypes.data == a.ctypes.data and (b[::1024] == k * 1024.0).all()
+        with stream:
+            for _ in range(10):
+                g *= 2
+        b = cupy.asnumpy(g)  # at once, on the default stream
+        assert b.ctypes.data == a.ctypes.data
+        assert b[0] == b[-1] == k * 1024.0 and (b[::1024] == k * 1024.0).all(), \
+            f"round {k}: read before the kernels ended"
         assert placement.state(base, size).heavy
     assert blocks[0] != blocks[1]  # the second is a block ump had not seen
-    assert on_gpu == [None, 0, 0, 0]
+    assert on_gpu == [None] + [0] * 7
 
 
 @pytest.mark.serial

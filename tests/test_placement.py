@@ -96,11 +96,12 @@ def _policy(cupy, mode="auto"):
     return _placement.Placement(cupy, options, headroom=GiB)
 
 
-def _step(policy, cupy, size, seconds, waited=None):
-    """Kernels costing `seconds` of GPU time, then a host export that
-    waited for them (all of them unless `waited` says otherwise)."""
+def _step(policy, cupy, size, seconds, waited=None, base=BASE):
+    """Kernels costing `seconds` of GPU time, then a host export of the block
+    at `base` that waited for them (all of them unless `waited` says
+    otherwise)."""
     cupy.work(seconds)
-    policy.on_host_export("managed", BASE, size, seconds if waited is None else waited)
+    policy.on_host_export("managed", base, size, seconds if waited is None else waited)
 
 
 def test_round_trips_learn_to_migrate_once_the_gpu_time_beats_a_migration(moves):
@@ -116,12 +117,6 @@ def test_round_trips_learn_to_migrate_once_the_gpu_time_beats_a_migration(moves)
     assert moves == [(GiB, 0)]
     _step(policy, cupy, GiB, 0.05)  # ... and back at the export, waited for
     assert moves == [(GiB, 0), (GiB, -1)] and cupy.stream_waits == 1
-
-
-def _step_at(policy, cupy, base, size, seconds):
-    """`_step` for the block at `base`."""
-    cupy.work(seconds)
-    policy.on_host_export("managed", base, size, seconds)
 
 
 def _heavy(policy, cupy, size):
@@ -160,14 +155,12 @@ def test_a_new_block_of_a_heavy_blocks_size_starts_heavy_until_one_of_that_size_
     _heavy(policy, cupy, GiB)
     policy.on_handoff("managed", other, GiB)  # never seen: moved at once
     assert policy.state(other, GiB).heavy and moves == [(GiB, 0)]
-    cupy.work(0.0128)  # its ten kernels in HBM
-    policy.on_host_export("managed", other, GiB, 0.0128)
+    _step(policy, cupy, GiB, 0.0128, base=other)  # its ten kernels in HBM
     assert moves == [(GiB, 0), (GiB, -1)] and policy.state(other, GiB).heavy
     policy.on_handoff("managed", BASE + 4 * GiB, GiB // 2)  # another size learns on its own
     assert moves == [(GiB, 0), (GiB, -1)] and not policy.state(BASE + 4 * GiB, GiB // 2).heavy
     policy.on_handoff("managed", other, GiB)
-    cupy.work(0.0013)  # one kernel: the work shrank, not heavy any more
-    policy.on_host_export("managed", other, GiB, 0.0013)
+    _step(policy, cupy, GiB, 0.0013, base=other)  # one kernel: the work shrank, not heavy any more
     assert not policy.state(other, GiB).heavy
     policy.on_handoff("managed", BASE + 6 * GiB, GiB)  # so a new block of that size starts on the host
     assert not policy.state(BASE + 6 * GiB, GiB).heavy and moves == [(GiB, 0), (GiB, -1)] * 2
@@ -182,16 +175,16 @@ def test_a_block_seen_before_without_a_verdict_takes_its_sizes(moves):
     other, single = BASE + 2 * GiB, BASE + 4 * GiB
     for base in (BASE, other, single):
         policy.on_handoff("managed", base, GiB)
-        _step_at(policy, cupy, base, GiB, 0.026)  # a single pass over the link
+        _step(policy, cupy, GiB, 0.026, base=base)  # a single pass over the link
     policy.on_handoff("managed", single, GiB)  # shrunk once heavy: a verdict of its own
-    _step_at(policy, cupy, single, GiB, 0.26)
+    _step(policy, cupy, GiB, 0.26, base=single)
     policy.on_handoff("managed", single, GiB)
-    _step_at(policy, cupy, single, GiB, 0.0013)
+    _step(policy, cupy, GiB, 0.0013, base=single)
     assert not policy.state(single, GiB).heavy and moves == [(GiB, 0), (GiB, -1)]
     _heavy(policy, cupy, GiB)
     policy.on_handoff("managed", other, GiB)  # no verdict of its own: moved at once
     assert moves == [(GiB, 0), (GiB, -1), (GiB, 0)]
-    _step_at(policy, cupy, other, GiB, 0.0128)
+    _step(policy, cupy, GiB, 0.0128, base=other)
     policy.on_handoff("managed", single, GiB)  # its own verdict stands
     assert moves == [(GiB, 0), (GiB, -1)] * 2 and not policy.state(single, GiB).heavy
 

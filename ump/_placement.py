@@ -18,8 +18,8 @@ reallocates the same array learns too:
   link, at the slowdown of a memory-bound kernel, they would have cost
   under half a migration there and back, the work has shrunk and the block
   is host-resident again until it earns the migration anew. A block with
-  no verdict of its own is heavy when the last verdict on a block of its
-  size was: a loop that makes a new array before it drops the last one
+  no verdict of its own is heavy at its hand-off when the last verdict on
+  a block of its size was, until it has one of its own: a loop that makes a new array before it drops the last one
   (``a = np.empty(n); ...``) hands over two blocks in turn, and each would
   otherwise pay one round trip over the link to learn what the other
   showed.
