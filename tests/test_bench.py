@@ -644,3 +644,50 @@ def test_docstring_examples_and_test_runners_run_as_programs(tmp_path, monkeypat
         f"runner ['{test_file}', '-q'] 1 False", f"runner ['{test_file}', '-q'] 1 True"]
     assert results["program doc"]["auto"]["returncodes"] == [0]
     assert results["program runner"]["stock"]["returncodes"] == [0]
+
+
+# --- the CPUs a run's processes run on ----------------------------------------------
+
+needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"),
+                                    reason="pinning a process to CPUs needs os.sched_setaffinity (Linux)")
+
+
+@needs_affinity
+def test_cpus_are_lists_and_ranges_and_what_is_refused_is_named():
+    from ump.bench import cpus
+
+    assert cpus.parse("0,2-3", [0, 1, 2, 3]) == [0, 2, 3]
+    assert cpus.parse(" 1 ", [0, 1]) == [1]
+    for spec, why in (("x", "'x' is not a CPU number or a range a-b"), ("3-1", "'3-1' names no CPU"),
+                      ("0,5", "cannot run on CPU 5; it may use 0-3")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            cpus.parse(spec, [0, 1, 2, 3])
+    assert cpus.ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@needs_affinity
+def test_every_process_of_a_run_runs_on_the_cpus_named(tmp_path, monkeypatch):
+    """Every configuration's process inherits the CPUs, the report says
+    which each ran on, and the caller's affinity is given back."""
+    from ump.bench import cpus
+
+    monkeypatch.chdir(tmp_path)  # the workers start here, where no source tree shadows the installed ump
+    cpu = cpus.allowed()[-1]
+    before = os.sched_getaffinity(0)
+    err = io.StringIO()
+    report = bench.run(suites=["alloc_numpy"], smoke=True, configs=["stock", "imported"], rounds=2,
+                       cpus=str(cpu), progress=err)
+    assert f"every process runs on CPU {cpu}\n" in err.getvalue()
+    assert report["cpus"] == {"asked": str(cpu), "used": [cpu]}
+    assert [(p["round"], p["config"], p["cpus"]) for p in report["processes"]] == [
+        (1, "stock", [cpu]), (1, "imported", [cpu]), (2, "stock", [cpu]), (2, "imported", [cpu])]
+    assert os.sched_getaffinity(0) == before
+
+
+@needs_affinity
+def test_cpus_the_process_cannot_use_are_refused_before_the_run(tmp_path):
+    out = tmp_path / "r.json"
+    line = _usage_error(_bench(tmp_path, "--smoke", "--suites", "alloc_numpy", "--cpus", "100000",
+                               "--output", str(out)))
+    assert "--cpus: this process cannot run on CPU 100000" in line
+    assert not out.exists()

@@ -206,6 +206,9 @@ def _add_bench(sub) -> argparse.ArgumentParser:
                             "(once per folder; default: $UMP_BENCH_PROGRAMS)")
     bench.add_argument("--rounds", type=_at_least_one, default=1,
                        help="run every configuration this many times, interleaved (spread across processes)")
+    bench.add_argument("--cpus", metavar="LIST",
+                       help="run every process on these CPUs (0,7,11 or 8-15), so that all configurations "
+                            "meet the same ones (default: wherever the system puts them)")
     return bench
 
 

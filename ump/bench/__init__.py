@@ -23,6 +23,7 @@ import time
 
 from .. import _probe, backends
 from .._version import pip_install
+from . import cpus as _cpus
 from . import programs
 from .summary import summary
 from . import progress as _progress
@@ -140,18 +141,21 @@ def _record(raw: dict, skipped: dict, timings: dict, config: str, progress) -> N
 
 
 def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
-        programs_dir=None) -> dict:
+        programs_dir=None, cpus=None) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
     (stock, imported, backend, stock, ...), so that slow drift of the machine
     spreads over all configurations; repeats of all rounds are pooled. A
     case this machine cannot run (a worker returns ``{"skipped": reason}``)
     is said on ``progress`` and listed with its reason under ``"skipped"``.
+    ``cpus`` (``bench --cpus``, :mod:`ump.bench.cpus`): the CPUs every
+    process of the run is pinned to ("0,7,11", "8-15"), which the report's
+    ``"cpus"`` keeps; ``"processes"`` says where each configuration's ran.
 
     Raises
     ------
     ArgumentError
-        An unknown suite or configuration, one this machine cannot run, or
-        ``rounds`` below 1.
+        An unknown suite or configuration, one this machine cannot run,
+        ``rounds`` below 1, or CPUs this process cannot run on.
     """
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ArgumentError(f"rounds must be an int >= 1, got {rounds!r}")
@@ -189,7 +193,33 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         configs = ["imported"] if set(suites) <= CONFIG_FREE else configurations(caps, smoke)
     elif set(suites) & CONFIG_FREE and "imported" not in configs:
         configs = [*configs, "imported"]
-    raw, skipped = {}, {}
+    pinned, before = _pin(cpus, progress) if cpus is not None else (None, None)
+    try:
+        report = _run(suites, smoke, configs, rounds, progress, caps, found)
+    finally:
+        if before is not None:
+            _cpus.pin(before)
+    report["cpus"] = pinned
+    return report
+
+
+def _pin(spec: str, progress) -> tuple[dict, set]:
+    """Pin this process, and so every process the run starts, to the CPUs
+    ``spec`` names (:mod:`ump.bench.cpus`): (what the report keeps, the CPUs
+    the process had)."""
+    try:
+        chosen = _cpus.choose(spec)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    before = os.sched_getaffinity(0)
+    _cpus.pin(chosen)
+    print(f"every process runs on CPU {_cpus.ranges(chosen)}", file=progress, flush=True)
+    return {"asked": spec, "used": chosen}, before
+
+
+def _run(suites, smoke, configs, rounds, progress, caps, found) -> dict:
+    """The run itself, its arguments checked (:func:`run`)."""
+    raw, skipped, processes = {}, {}, []
     t_start = time.perf_counter()
     steps = [(r, c) for r in range(rounds) for c in configs] if suites else []
     shown = _progress.Progress([(c, s) for _, c in steps for s in _progress.suites_in(c, suites, CONFIG_FREE)],
@@ -204,6 +234,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         process = timings.pop(PROCESS_KEY)
         if config == "stock" and process["ump_imported"]:
             raise RuntimeError("the stock configuration's process imported ump")
+        processes.append({"round": r + 1, "config": config, "cpus": process.get("cpus")})
         _record(raw, skipped, timings, config, progress)
     shown.close()
     results = {}
@@ -217,7 +248,8 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         results.update(ran)
         skipped.update(not_run)
     return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped}
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped,
+            "processes": processes}
 
 
 def overhead(report, cases=("add 100x100", "divide 100x100", "divmod 100x100")) -> list[str]:
@@ -364,7 +396,7 @@ def main(args) -> int:
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
         report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
-                     programs_dir=getattr(args, "programs", None))
+                     programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None))
         if not report["results"]:
             # keep what an earlier run wrote rather than replace it with nothing
             print(f"bench: the run produced no results; {args.output} not written", file=sys.stderr)

@@ -35,7 +35,9 @@ def main(argv):
         for case, timing in fn(smoke).items():
             results[case] = {"suite": suite, **timing}
         progress.report("done", suite)
-    results["__process__"] = {"ump_imported": "ump" in sys.modules}  # after the suites ran
+    results["__process__"] = {"ump_imported": "ump" in sys.modules,  # after the suites ran
+                              "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                              else None}
     json.dump(results, sys.stdout)
 
 
