@@ -2,7 +2,7 @@
 ``--affinity`` does.
 
 On a virtual machine a virtual CPU can run a process much slower than
-the others, for seconds or minutes: on a lent 16-CPU H100 guest, a CuPy
+the others, for seconds or minutes: on a 16-CPU H100 virtual machine, a CuPy
 loop bound by its dispatch (cg.py's iteration: ~15 launches and one
 scalar read) took 626 and 651 µs per iteration pinned to CPU 3, 366–483 µs
 pinned to CPUs 0, 7, 11 or 15, and 365–690 µs left free (one process in
