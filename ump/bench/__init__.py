@@ -208,7 +208,7 @@ def _pin(spec: str, progress) -> tuple[dict, set]:
     ``spec`` names (:mod:`ump.bench.cpus`): (what the report keeps, the CPUs
     the process had)."""
     try:
-        chosen = _cpus.choose(spec)
+        chosen = _cpus.parse(spec, _cpus.allowed())
     except ValueError as err:
         raise ArgumentError(str(err)) from None
     before = os.sched_getaffinity(0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["allowed", "parse", "ranges", "choose", "pin"]
+__all__ = ["allowed", "parse", "ranges", "pin"]
 
 
 def allowed() -> list[int]:
@@ -76,17 +76,6 @@ def ranges(cpus) -> str:
             out.append(str(start) if start == prev else f"{start}-{prev}")
         start = prev = cpu
     return ",".join(out)
-
-
-def choose(spec: str) -> list[int]:
-    """The CPUs ``spec`` names, checked against those this process may use.
-
-    Raises
-    ------
-    ValueError
-        As :func:`allowed` and :func:`parse`.
-    """
-    return parse(spec, allowed())
 
 
 def pin(cpus) -> None:
