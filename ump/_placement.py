@@ -19,10 +19,10 @@ reallocates the same array learns too:
   under half a migration there and back, the work has shrunk and the block
   is host-resident again until it earns the migration anew. A block with
   no verdict of its own is heavy at its hand-off when the last verdict on
-  a block of its size was, until it has one of its own: a loop that makes a new array before it drops the last one
-  (``a = np.empty(n); ...``) hands over two blocks in turn, and each would
-  otherwise pay one round trip over the link to learn what the other
-  showed.
+  a block of its size was, until it has one of its own: a loop that makes
+  a new array before it drops the last one (``a = np.empty(n); ...``)
+  hands over two blocks in turn, and each would otherwise pay one round
+  trip over the link to learn what the other showed.
 - **Work between other arrays' reads** (the block is handed over, then
   kernels read it again and again while the host reads only other arrays,
   such as a solver's scalar residual): at every wait for the GPU that ump
