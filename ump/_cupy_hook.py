@@ -316,11 +316,12 @@ class CupyHook:
         µs more again: docs/performance.md)."""
         if g.size != 1:
             return None
-        ptr, dtype = g.data.ptr, g.dtype
-        itemsize = dtype.itemsize
-        if _block_of(ptr, (1,), (itemsize,), itemsize, kinds=("managed",)) is None:
+        data, dtype = g.data, g.dtype
+        ptr, itemsize = data.ptr, dtype.itemsize
+        kind, base, size, _ = _core.lookup_owner(ptr)  # _block_of's test, for one element
+        if kind != "managed" or ptr + itemsize > base + size:
             return None
-        self.synchronize(None, g.data.device_id)
+        self.synchronize(None, data.device_id)
         runtime = self.cupy.cuda.runtime
         if itemsize > _ELEMENT_BYTES:  # a wide structured element: pageable memory, as stock CuPy's copy
             host = ctypes.create_string_buffer(itemsize)

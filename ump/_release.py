@@ -163,8 +163,18 @@ class ReleaseQueue:
         """Wait for all of ``device``'s work (the current device's if None),
         and on several GPUs for every GPU with work of this process; then
         release what was deferred on them before the wait began."""
-        current = self.cupy.cuda.runtime.getDevice()
-        self._wait([current if device is None else device], current)
+        runtime = self.cupy.cuda.runtime
+        current = runtime.getDevice()
+        if device is None:
+            device = current
+        if (self._gpus() == 1 and device == current and not self._inbox
+                and not any(list(self._pending.values()))):
+            # One GPU, nothing deferred: the wait alone (a solver's scalar
+            # read each step comes here). An array deferred meanwhile waits
+            # for the next wait, which only keeps it longer.
+            runtime.deviceSynchronize()
+            return
+        self._wait([device], current)
 
     def drain(self) -> None:
         """Wait for every device with pending arrays and release them all;
@@ -178,19 +188,16 @@ class ReleaseQueue:
         if pending:
             self._wait(pending, self.cupy.cuda.runtime.getDevice())
 
+    def _gpus(self) -> int:
+        """The process's device count, read at the first wait."""
+        if self._device_count is None:
+            self._device_count = self.cupy.cuda.runtime.getDeviceCount()
+        return self._device_count
+
     def _wait(self, devices: list[int], current: int) -> None:
         cuda = self.cupy.cuda
-        if self._device_count is None:
-            self._device_count = cuda.runtime.getDeviceCount()
-        if (self._device_count == 1 and devices == [current] and not self._inbox
-                and not any(list(self._pending.values()))):
-            # Nothing deferred: the wait alone (a solver's scalar read each
-            # step comes here). An array deferred meanwhile waits for the
-            # next wait, which only keeps it longer.
-            cuda.runtime.deviceSynchronize()
-            return
         mark = self.mark()
-        if self._device_count > 1:
+        if self._gpus() > 1:
             # A kernel or copy on one GPU writes another's memory through
             # peer access (CuPy runs a cross-device copy on the current
             # device): the memory's own device may have nothing queued.
