@@ -504,6 +504,8 @@ class Placement:
                 waited = max(0.0, ended - max(ended - waited, last))
                 self.wait_ends[device] = max(last, ended)
             total = self.waits[device] = self.waits.get(device, 0.0) + waited
+            if not self.pending:
+                return  # nothing followed: the total is all a wait changes (a solver's every step)
             due = []
             for key, state in list(self.pending.items()):
                 if key == exclude or state.device != device:
