@@ -208,13 +208,13 @@ def _pin(spec: str, progress) -> tuple[dict, set]:
     ``spec`` names (:mod:`ump.bench.cpus`): (what the report keeps, the CPUs
     the process had)."""
     try:
-        chosen = _cpus.parse(spec, _cpus.allowed())
+        usable = _cpus.allowed()
+        chosen = _cpus.parse(spec, usable)
     except ValueError as err:
         raise ArgumentError(str(err)) from None
-    before = os.sched_getaffinity(0)
     _cpus.pin(chosen)
     print(f"every process runs on CPU {_cpus.ranges(chosen)}", file=progress, flush=True)
-    return {"asked": spec, "used": chosen}, before
+    return {"asked": spec, "used": chosen}, set(usable)
 
 
 def _run(suites, smoke, configs, rounds, progress, caps, found) -> dict:
