@@ -525,6 +525,30 @@ def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, mon
     assert "| cg | " in text and "geometric mean of stock / auto, printed GPU time: 1.000" in text
 
 
+def test_the_programs_table_says_which_programs_stay_within_the_bound():
+    """A program is within 1.05× stock by its ratio of medians, or within the
+    spread of its rounds (one round at or under the bound), for its wall time
+    and its printed GPU time alike; the others are named with their spread."""
+    from ump.bench import programs
+
+    def entry(walls, gpus=None):
+        e = {"round_cpu": walls, "cpu": {"median": sorted(walls)[len(walls) // 2]}, "errors": []}
+        if gpus is not None:
+            e.update(round_gpu=gpus, gpu={"median": sorted(gpus)[len(gpus) // 2]})
+        return e
+
+    stock = entry([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    results = {
+        "program fast": {"suite": "programs", "stock": stock, "auto": entry([0.9, 1.0, 1.02], [1.0, 1.0, 1.0])},
+        "program noisy": {"suite": "programs", "stock": stock, "auto": entry([1.04, 1.2, 1.3], [1.0, 1.0, 1.0])},
+        "program slow wall": {"suite": "programs", "stock": stock, "auto": entry([1.1, 1.2, 1.3], [1.0, 1.0, 1.0])},
+        "program slow gpu": {"suite": "programs", "stock": stock, "auto": entry([1.0, 1.0, 1.0], [1.06, 1.1, 1.2])},
+    }
+    text = programs.table({"configs": ["stock", "auto"], "results": results})
+    assert ("auto within 1.05× stock (wall and printed GPU time): 2 of 4 programs (1 by the ratio of medians, "
+            "1 within the spread of their rounds); not: slow wall (wall 1.10–1.30); slow gpu (GPU 1.06–1.20)") in text
+
+
 def test_programs_that_fail_or_need_a_missing_module_are_reported(tmp_path, monkeypatch):
     from ump.bench import programs
 

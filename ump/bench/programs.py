@@ -166,6 +166,11 @@ def folders(paths=None) -> dict:
     return found
 
 
+#: The bound the suite holds a program's time under ump to, against stock's:
+#: its ratio of medians, or one round's ratio (within the spread of its rounds).
+WITHIN = 1.05
+
+
 def command(config: str, script: str, args=(), module: str | None = None) -> list[str]:
     """The command line that runs ``script`` (or ``-m module script``) under
     ``config``: ``stock`` is plain Python, which never imports ump; ``auto``
@@ -388,4 +393,32 @@ def table(report) -> str:
                 mean = math.exp(sum(math.log(v) for v in values) / len(values))
                 lines.append(f"\ngeometric mean of stock / {config}, {what} time: {mean:.3f} "
                              f"({len(values)} programs)")
+        lines.append(_within(config, rows))
     return "\n".join(lines)
+
+
+def _within(config: str, rows: dict) -> str:
+    """Which programs ``config`` runs within ``WITHIN`` × stock: by the ratio
+    of medians, or within the spread of the rounds (one round's ratio at or
+    under it); the others by name, with their spread."""
+    median = spread = total = 0
+    missed = []
+    for case, per in rows.items():
+        entry, base = per.get(config), per.get("stock")
+        if entry is None or base is None:
+            continue
+        ratios = {key: r for key in ("cpu", "gpu") if (r := _ratio(entry, base, key)) is not None}
+        if not ratios:
+            continue
+        total += 1
+        if all(r[0] <= WITHIN for r in ratios.values()):
+            median += 1
+        elif all(r[1] <= WITHIN for r in ratios.values()):
+            spread += 1
+        else:
+            missed.append(case.removeprefix("program ") + " (" + ", ".join(
+                f"{'wall' if key == 'cpu' else 'GPU'} {r[1]:.2f}–{r[2]:.2f}" for key, r in ratios.items()
+                if r[1] > WITHIN) + ")")
+    text = (f"\n{config} within {WITHIN}× stock (wall and printed GPU time): {median + spread} of {total} "
+            f"programs ({median} by the ratio of medians, {spread} within the spread of their rounds)")
+    return text + (f"; not: {'; '.join(missed)}" if missed else "")
