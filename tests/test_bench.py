@@ -549,6 +549,26 @@ def test_the_programs_table_says_which_programs_stay_within_the_bound():
             "1 within the spread of their rounds); not: slow wall (wall 1.10–1.30); slow gpu (GPU 1.06–1.20)") in text
 
 
+def test_only_selects_programs_by_name_or_first_words_in_the_suites_order():
+    from ump.bench import programs
+
+    assert programs.select(None) == programs.PROGRAMS
+    stream = programs.select(["stream"])
+    assert len(stream) == 10 and all(p.name.startswith("stream ") for p in stream)
+    picked = programs.select(["stream cupy_event", "cg", "cg"])
+    assert [p.name for p in picked] == ["cg", "stream cupy_event"]
+    assert programs.select(["cupyx.scipy"]) == tuple(p for p in programs.PROGRAMS if p.source == "cupyx-docs")
+    with pytest.raises(ValueError, match=r"no program of the programs suite is named 'stre': cg, kmeans"):
+        programs.select(["stre"])
+
+
+def test_only_without_the_programs_suite_is_refused(tmp_path):
+    out = tmp_path / "r.json"
+    line = _usage_error(_bench(tmp_path, "--suites", "alloc_numpy", "--only", "cg", "--output", str(out)))
+    assert line.endswith("--only names programs of the programs suite: add --suites programs")
+    assert not out.exists()
+
+
 def test_programs_that_fail_or_need_a_missing_module_are_reported(tmp_path, monkeypatch):
     from ump.bench import programs
 

@@ -204,6 +204,9 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     bench.add_argument("--programs", metavar="DIR", action="append",
                        help="a folder of programs the programs suite runs: CuPy's examples/, a PyLops checkout "
                             "(once per folder; default: $UMP_BENCH_PROGRAMS)")
+    bench.add_argument("--only", metavar="NAMES",
+                       help="comma-separated programs the programs suite runs, by name or the first words "
+                            "of it (cg,stream: cg and the stream examples; default: all)")
     bench.add_argument("--rounds", type=_at_least_one, default=1,
                        help="run every configuration this many times, interleaved (spread across processes)")
     bench.add_argument("--cpus", metavar="LIST",

@@ -141,7 +141,7 @@ def _record(raw: dict, skipped: dict, timings: dict, config: str, progress) -> N
 
 
 def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
-        programs_dir=None, cpus=None) -> dict:
+        programs_dir=None, cpus=None, only=None) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
     (stock, imported, backend, stock, ...), so that slow drift of the machine
     spreads over all configurations; repeats of all rounds are pooled. A
@@ -150,12 +150,15 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     ``cpus`` (``bench --cpus``, :mod:`ump.bench.cpus`): the CPUs every
     process of the run is pinned to ("0,7,11", "8-15"), which the report's
     ``"cpus"`` keeps; ``"processes"`` says where each configuration's ran.
+    ``only`` (``bench --only``): the names of the programs the programs
+    suite runs (:func:`ump.bench.programs.select`); None: all.
 
     Raises
     ------
     ArgumentError
         An unknown suite or configuration, one this machine cannot run,
-        ``rounds`` below 1, or CPUs this process cannot run on.
+        ``rounds`` below 1, CPUs this process cannot run on, or ``only``
+        without the programs suite or naming no program of it.
     """
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ArgumentError(f"rounds must be an int >= 1, got {rounds!r}")
@@ -177,9 +180,12 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
                      lambda s: _suite_missing(s, missing))
     if configs:
         _check_names("configuration", configs, KNOWN_CONFIGS, _runnable(caps), config_why_not)
-    found = None
+    found, selected = None, ()
+    if only is not None and (suites is None or PROGRAMS not in suites):
+        raise ArgumentError("--only names programs of the programs suite: add --suites programs")
     if suites is not None and PROGRAMS in suites:
         try:
+            selected = programs.select(only)
             found = programs.folders(programs_dir)
         except ValueError as err:
             raise ArgumentError(str(err)) from None
@@ -195,7 +201,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         configs = [*configs, "imported"]
     pinned, before = _pin(cpus, progress) if cpus is not None else (None, None)
     try:
-        report = _run(suites, smoke, configs, rounds, progress, caps, found)
+        report = _run(suites, smoke, configs, rounds, progress, caps, found, selected)
     finally:
         if before is not None:
             _cpus.pin(before)
@@ -217,7 +223,7 @@ def _pin(spec: str, progress) -> tuple[dict, set]:
     return {"asked": spec, "used": chosen}, set(usable)
 
 
-def _run(suites, smoke, configs, rounds, progress, caps, found) -> dict:
+def _run(suites, smoke, configs, rounds, progress, caps, found, selected=()) -> dict:
     """The run itself, its arguments checked (:func:`run`)."""
     raw, skipped, processes = {}, {}, []
     t_start = time.perf_counter()
@@ -244,7 +250,7 @@ def _run(suites, smoke, configs, rounds, progress, caps, found) -> dict:
             results[case][config] = {"cpu": summary(e["cpu_times"]), "gpu": summary(e["gpu_times"]), **e}
     if found is not None:
         ran, not_run = programs.run([c for c in configs if c != "imported"], rounds, found,
-                                    gpus=len(caps.devices), progress=progress)
+                                    gpus=len(caps.devices), programs=selected, progress=progress)
         results.update(ran)
         skipped.update(not_run)
     return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds,
@@ -396,7 +402,8 @@ def main(args) -> int:
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
         report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
-                     programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None))
+                     programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None),
+                     only=args.only.split(",") if getattr(args, "only", None) else None)
         if not report["results"]:
             # keep what an earlier run wrote rather than replace it with nothing
             print(f"bench: the run produced no results; {args.output} not written", file=sys.stderr)

@@ -166,6 +166,29 @@ def folders(paths=None) -> dict:
     return found
 
 
+def select(names, programs=PROGRAMS) -> tuple:
+    """The programs named in ``names`` (``bench --only``): a name selects the
+    program of that name and those whose name starts with it and a space
+    (``stream`` selects ``stream cupy_event`` and the other stream examples).
+    None: all of them.
+
+    Raises
+    ------
+    ValueError
+        A name that selects no program, with the names there are.
+    """
+    if names is None:
+        return tuple(programs)
+    chosen = []
+    for name in names:
+        hits = [p for p in programs if p.name == name or p.name.startswith(name + " ")]
+        if not hits:
+            raise ValueError(f"no program of the programs suite is named {name!r}: "
+                             + ", ".join(p.name for p in programs))
+        chosen += [p for p in hits if p not in chosen]
+    return tuple(p for p in programs if p in chosen)  # the suite's order
+
+
 #: The bound the suite holds a program's time under ump to, against stock's:
 #: its ratio of medians, or one round's ratio (within the spread of its rounds).
 WITHIN = 1.05
