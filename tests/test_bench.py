@@ -543,10 +543,13 @@ def test_the_programs_table_says_which_programs_stay_within_the_bound():
         "program noisy": {"suite": "programs", "stock": stock, "auto": entry([1.04, 1.2, 1.3], [1.0, 1.0, 1.0])},
         "program slow wall": {"suite": "programs", "stock": stock, "auto": entry([1.1, 1.2, 1.3], [1.0, 1.0, 1.0])},
         "program slow gpu": {"suite": "programs", "stock": stock, "auto": entry([1.0, 1.0, 1.0], [1.06, 1.1, 1.2])},
+        "program fails": {"suite": "programs", "stock": stock,
+                          "auto": {**entry([0.5, 0.5], [0.5, 0.5]), "errors": [["boom"]], "returncodes": [0, 1, 0]}},
     }
     text = programs.table({"configs": ["stock", "auto"], "results": results})
-    assert ("auto within 1.05× stock (wall and printed GPU time): 2 of 4 programs (1 by the ratio of medians, "
-            "1 within the spread of their rounds); not: slow wall (wall 1.10–1.30); slow gpu (GPU 1.06–1.20)") in text
+    assert ("auto within 1.05× stock (wall and printed GPU time): 2 of 5 programs (1 by the ratio of medians, "
+            "1 within the spread of their rounds); not: slow wall (wall 1.10–1.30); slow gpu (GPU 1.06–1.20); "
+            "fails (exit [0, 1, 0])") in text
 
 
 def test_only_selects_programs_by_name_or_first_words_in_the_suites_order():

@@ -423,23 +423,27 @@ def table(report) -> str:
 def _within(config: str, rows: dict) -> str:
     """Which programs ``config`` runs within ``WITHIN`` × stock: by the ratio
     of medians, or within the spread of the rounds (one round's ratio at or
-    under it); the others by name, with their spread."""
+    under it); the others by name, with their spread, and a program with a
+    run that failed under ``config`` (a failure is never within) with its
+    exit statuses. Programs stock did not run to the end are not counted."""
     median = spread = total = 0
     missed = []
     for case, per in rows.items():
         entry, base = per.get(config), per.get("stock")
-        if entry is None or base is None:
-            continue
-        ratios = {key: r for key in ("cpu", "gpu") if (r := _ratio(entry, base, key)) is not None}
-        if not ratios:
+        if entry is None or base is None or not base.get("cpu"):
             continue
         total += 1
+        name = case.removeprefix("program ")
+        if entry.get("errors"):
+            missed.append(f"{name} (exit {entry['returncodes']})")
+            continue
+        ratios = {key: r for key in ("cpu", "gpu") if (r := _ratio(entry, base, key)) is not None}
         if all(r[0] <= WITHIN for r in ratios.values()):
             median += 1
         elif all(r[1] <= WITHIN for r in ratios.values()):
             spread += 1
         else:
-            missed.append(case.removeprefix("program ") + " (" + ", ".join(
+            missed.append(name + " (" + ", ".join(
                 f"{'wall' if key == 'cpu' else 'GPU'} {r[1]:.2f}–{r[2]:.2f}" for key, r in ratios.items()
                 if r[1] > WITHIN) + ")")
     text = (f"\n{config} within {WITHIN}× stock (wall and printed GPU time): {median + spread} of {total} "
