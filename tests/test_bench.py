@@ -563,6 +563,8 @@ def test_only_selects_programs_by_name_or_first_words_in_the_suites_order():
     assert programs.select(["cupyx.scipy"]) == tuple(p for p in programs.PROGRAMS if p.source == "cupyx-docs")
     with pytest.raises(ValueError, match=r"no program of the programs suite is named 'stre': cg, kmeans"):
         programs.select(["stre"])
+    with pytest.raises(ValueError, match=r"is named ''"):
+        programs.select([""])  # --only "" names no program; it does not mean all of them
 
 
 def test_only_without_the_programs_suite_is_refused(tmp_path):

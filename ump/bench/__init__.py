@@ -403,7 +403,7 @@ def main(args) -> int:
         configs = args.configs.split(",") if args.configs else None
         report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
                      programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None),
-                     only=args.only.split(",") if getattr(args, "only", None) else None)
+                     only=args.only.split(",") if getattr(args, "only", None) is not None else None)
         if not report["results"]:
             # keep what an earlier run wrote rather than replace it with nothing
             print(f"bench: the run produced no results; {args.output} not written", file=sys.stderr)

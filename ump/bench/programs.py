@@ -387,6 +387,7 @@ def table(report) -> str:
     head = "| program | stock wall, GPU (s) | " + " | ".join(f"{c}: wall ×, GPU ×" for c in configs) + " |"
     lines = [head, "|" + "---|" * (len(configs) + 2)]
     speedups = {c: {"cpu": [], "gpu": []} for c in configs}
+    judged = {c: [] for c in configs}  # (program, its ratios, its entry) where stock ran to the end
     for case, per in rows.items():
         base = per.get("stock")
         if base is None:
@@ -399,12 +400,13 @@ def table(report) -> str:
             if entry is None:
                 cells.append("")
                 continue
+            ratios = {key: r for key in ("cpu", "gpu") if (r := _ratio(entry, base, key)) is not None}
+            if base.get("cpu"):
+                judged[config].append((case.removeprefix("program "), ratios, entry))
             parts = []
-            for key in ("cpu", "gpu"):
-                r = _ratio(entry, base, key)
-                if r is not None:
-                    parts.append(f"×{r[0]:.3f} ({r[1]:.2f}–{r[2]:.2f})")
-                    speedups[config][key].append(1 / r[0])
+            for key, r in ratios.items():
+                parts.append(f"×{r[0]:.3f} ({r[1]:.2f}–{r[2]:.2f})")
+                speedups[config][key].append(1 / r[0])
             if entry["errors"]:
                 parts.append(f"exit {entry['returncodes']}: {entry['errors'][0]}")
             cells.append(", ".join(parts))
@@ -416,29 +418,23 @@ def table(report) -> str:
                 mean = math.exp(sum(math.log(v) for v in values) / len(values))
                 lines.append(f"\ngeometric mean of stock / {config}, {what} time: {mean:.3f} "
                              f"({len(values)} programs)")
-        lines.append(_within(config, rows))
+        lines.append(_within(config, judged[config]))
     return "\n".join(lines)
 
 
-def _within(config: str, rows: dict) -> str:
-    """Which programs ``config`` runs within ``WITHIN`` × stock: by the ratio
-    of medians, or within the spread of the rounds (one round's ratio at or
-    under it); the others by name, with their spread, and a program with a
-    run that failed under ``config`` (a failure is never within) with its
-    exit statuses. Programs stock did not run to the end are not counted."""
-    median = spread = total = 0
+def _within(config: str, judged: list) -> str:
+    """Which programs ``config`` runs within ``WITHIN`` × stock, of those
+    ``judged`` (name, ratios by key as :func:`_ratio` gives them, entry):
+    by the ratio of medians, or within the spread of the rounds (one round's
+    ratio at or under it); the others by name, with their spread, and a
+    program with a run that failed under ``config`` (a failure is never
+    within) with its exit statuses."""
+    median = spread = 0
     missed = []
-    for case, per in rows.items():
-        entry, base = per.get(config), per.get("stock")
-        if entry is None or base is None or not base.get("cpu"):
-            continue
-        total += 1
-        name = case.removeprefix("program ")
+    for name, ratios, entry in judged:
         if entry.get("errors"):
             missed.append(f"{name} (exit {entry['returncodes']})")
-            continue
-        ratios = {key: r for key in ("cpu", "gpu") if (r := _ratio(entry, base, key)) is not None}
-        if all(r[0] <= WITHIN for r in ratios.values()):
+        elif all(r[0] <= WITHIN for r in ratios.values()):
             median += 1
         elif all(r[1] <= WITHIN for r in ratios.values()):
             spread += 1
@@ -446,6 +442,6 @@ def _within(config: str, rows: dict) -> str:
             missed.append(name + " (" + ", ".join(
                 f"{'wall' if key == 'cpu' else 'GPU'} {r[1]:.2f}–{r[2]:.2f}" for key, r in ratios.items()
                 if r[1] > WITHIN) + ")")
-    text = (f"\n{config} within {WITHIN}× stock (wall and printed GPU time): {median + spread} of {total} "
+    text = (f"\n{config} within {WITHIN}× stock (wall and printed GPU time): {median + spread} of {len(judged)} "
             f"programs ({median} by the ratio of medians, {spread} within the spread of their rounds)")
     return text + (f"; not: {'; '.join(missed)}" if missed else "")
