@@ -59,6 +59,16 @@ def test_run_passes_options_after_the_program_to_it(cpu_only, tmp_path):
     assert run.stdout.strip() == "host host __main__ ['-m', 'other']"
 
 
+def test_run_leaves_the_programs_imports_to_it(cpu_only, tmp_path):
+    """ump's start-up imports no module of the standard library that NumPy
+    and CuPy leave out and ump needs only now and then: every program
+    started by ``python -m ump run`` would pay for it."""
+    (tmp_path / "prog.py").write_text("import sys\nprint('logging' in sys.modules)\n")
+    run = _run(["-m", "ump", "run", "prog.py"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
 def test_run_script_errors_propagate(cpu_only, tmp_path):
     (tmp_path / "bad.py").write_text("raise SystemExit(7)\n")
     assert _run(["-m", "ump", "run", "bad.py"], tmp_path).returncode == 7

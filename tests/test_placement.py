@@ -119,6 +119,20 @@ def test_round_trips_learn_to_migrate_once_the_gpu_time_beats_a_migration(moves)
     assert moves == [(GiB, 0), (GiB, -1)] and cupy.stream_waits == 1
 
 
+def test_each_move_is_logged_at_debug_to_the_ump_placement_logger(moves, caplog):
+    cupy = FakeCupy()
+    policy = _policy(cupy)
+    caplog.set_level("DEBUG", logger="ump.placement")
+    policy.on_handoff("managed", BASE, GiB)
+    _step(policy, cupy, GiB, 0.26)
+    policy.on_handoff("managed", BASE, GiB)
+    _step(policy, cupy, GiB, 0.05)
+    assert moves == [(GiB, 0), (GiB, -1)]
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ump.placement", "DEBUG", f"block {BASE:#x} ({GiB} bytes) to GPU 0"),
+        ("ump.placement", "DEBUG", f"block {BASE:#x} ({GiB} bytes) back to the host")]
+
+
 def _heavy(policy, cupy, size):
     """Make the block at BASE heavy: a round trip of ten kernels over the link."""
     policy.on_handoff("managed", BASE, size)

@@ -83,7 +83,6 @@ before the host's read moves nothing, the pages being on the GPU still).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 import threading
 import time
@@ -118,8 +117,15 @@ HOST_FAULTS_SECONDS_PER_BYTE = 0.200 / 2**30
 #: overstates what the host-resident block would cost.
 LINK_OVER_HBM = 20
 
-#: Each move the policy makes, at DEBUG level.
-log = logging.getLogger("ump.placement")
+
+def _log(message: str, *args) -> None:
+    """Log one move the policy makes, at DEBUG level, to the
+    ``ump.placement`` logger. Moves are rare, and importing :mod:`logging`
+    here instead of at start-up keeps it out of every program that
+    ``python -m ump run`` starts (CuPy does not import it)."""
+    import logging
+
+    logging.getLogger("ump.placement").debug(message, *args)
 
 #: Blocks whose state is kept; past it the table starts over.
 MAX_BLOCKS = 4096
@@ -260,12 +266,12 @@ class Placement:
             return
         device = self.cupy.cuda.runtime.getDevice()
         _core.prefetch(base, size, device, stream.ptr)
-        log.debug("block %#x (%d bytes) to GPU %d", base, size, device)
+        _log("block %#x (%d bytes) to GPU %d", base, size, device)
         state.on_gpu = device
         state.moved = True
 
     def _to_host(self, state: BlockState, base: int, size: int, stream, wait: bool) -> None:
-        log.debug("block %#x (%d bytes) back to the host", base, size)
+        _log("block %#x (%d bytes) back to the host", base, size)
         _core.prefetch(base, size, -1, stream.ptr)
         if wait:
             stream.synchronize()  # else the caller waits for the stream, as CuPy's contract says
@@ -523,9 +529,9 @@ class Placement:
             orphan = state.eager and only_view_holds(lease)
             cost = key[1] * (ONE_WAY_SECONDS_PER_BYTE + (0 if orphan else HOST_FAULTS_SECONDS_PER_BYTE))
             if lost > cost and self._migrate_pending(key, state, device, state.mark):
-                log.debug("block %#x (%d bytes) to GPU %d at another array's read: %.4f s lost over "
-                          "the link since its hand-off, moving costs %.4f s (only CuPy holds it: %s)",
-                          key[0], key[1], device, lost, cost, orphan)
+                _log("block %#x (%d bytes) to GPU %d at another array's read: %.4f s lost over "
+                     "the link since its hand-off, moving costs %.4f s (only CuPy holds it: %s)",
+                     key[0], key[1], device, lost, cost, orphan)
 
     def _migrate_pending(self, key, state: BlockState, device: int, mark: float) -> bool:
         """Move a followed block to ``device``, unless it was exported or
@@ -546,7 +552,7 @@ class Placement:
                     state.start = None  # the hand-off's round trip is timed no more
                     self._to_gpu(state, key[0], key[1], cuda.get_current_stream())
             except RuntimeError as err:  # UmpError or CuPy's: the block stays where it is
-                log.debug("block %#x (%d bytes) not moved: %s", key[0], key[1], err)
+                _log("block %#x (%d bytes) not moved: %s", key[0], key[1], err)
                 return False
             state.synced = state.on_gpu is not None
             return state.synced
@@ -611,7 +617,7 @@ class Placement:
             self._unwatch()
         for key, state in due:
             if self._migrate_pending(key, state, state.device, state.mark):
-                log.debug("block %#x (%d bytes) to GPU %d: only CuPy holds it", key[0], key[1], state.device)
+                _log("block %#x (%d bytes) to GPU %d: only CuPy holds it", key[0], key[1], state.device)
 
     def _unwatch(self) -> None:
         """Switch the watch off once nothing needs it (under ``_lock``)."""
@@ -629,7 +635,7 @@ class Placement:
             try:
                 with self.cupy.cuda.Device(device):
                     if self.prefetch_here(base, bsize, device):
-                        log.debug("result %#x (%d bytes) back to GPU %d", base, bsize, device)
+                        _log("result %#x (%d bytes) back to GPU %d", base, bsize, device)
             except RuntimeError:
                 pass  # UmpError or CuPy's: the allocation must not fail over a placement
         self.returning.clear()
