@@ -321,6 +321,33 @@ def test_a_case_the_machine_cannot_run_is_reported_with_its_reason(monkeypatch):
     assert case not in bench.table(report)
 
 
+def test_the_table_gives_each_rounds_ratio_beside_the_ratio_of_medians(monkeypatch):
+    """One slow process of three moves a ratio of medians (NumPy only on the
+    H200: one `auto` process ran every repeat ~1.5x slower); the table shows
+    the rounds' own ratios beside it, on the figure the case is judged by."""
+    def table_of(per_round):
+        rounds = {config: iter(times) for config, times in per_round.items()}
+
+        def worker(cmd, config, *args, **kw):
+            cpu = next(rounds[config])
+            out = {"NumPy only": {"suite": "alloc_numpy", "cpu": cpu, "gpu": []},
+                   "a kernel": {"suite": "alloc_numpy", "cpu": [1.0] * 3, "gpu": [c / 10 for c in cpu]},
+                   bench.PROCESS_KEY: {"ump_imported": config != "stock"}}
+            return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(out), stderr="")
+
+        monkeypatch.setattr(bench_progress, "run_worker", worker)
+        report = bench.run(suites=["alloc_numpy"], configs=["stock", "imported"], rounds=len(per_round["stock"]),
+                           progress=io.StringIO())
+        return {line.split(" | ")[0]: line for line in bench.table(report).splitlines()}
+
+    rows = table_of({"stock": [[430.0] * 3, [433.0] * 3, [430.0] * 3],
+                     "imported": [[644.0] * 3, [419.0] * 3, [449.0] * 3]})
+    assert rows["| NumPy only"].endswith("| CPU 449.0 µs (×1.04; rounds 0.97–1.50) |")
+    assert rows["| a kernel"].endswith("| CPU 1.0 µs, GPU 44.9 µs (×1.04; rounds 0.97–1.50) |")
+    rows = table_of({"stock": [[430.0] * 3], "imported": [[644.0] * 3]})  # one round: no spread to give
+    assert rows["| NumPy only"].endswith("| CPU 644.0 µs (×1.5) |")
+
+
 def test_share_case_times_export_and_import_between_two_processes():
     """The share case on the emulated pool (memfds): a spawned process imports
     each export; every step is timed, per GiB, and the importer read the marks

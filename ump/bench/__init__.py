@@ -272,11 +272,23 @@ def overhead(report, cases=("add 100x100", "divide 100x100", "divmod 100x100")) 
                 continue
             e = per[config]
             ratio = e["cpu"]["median"] / base["cpu"]["median"]
-            pairs = [a / b for a, b in zip(e["round_cpu"], base["round_cpu"])]
+            pairs = _round_ratios(e, base, "round_cpu")
             spread = f", rounds {min(pairs):.3f}-{max(pairs):.3f}" if len(pairs) > 1 else ""
             delta = e["cpu"]["median"] - base["cpu"]["median"]
             lines.append(f"{case} [{config}]: CPU ×{ratio:.3f}{spread}; {delta:+.2f} µs per call")
     return lines
+
+
+def _round_ratios(entry, base, key) -> list[float]:
+    """Each round's median of ``entry`` against the same round's of
+    ``base`` (``key``: ``round_cpu`` or ``round_gpu``): the spread a ratio
+    of medians hides when one process of a round runs slow throughout."""
+    return [a / b for a, b in zip(entry.get(key, ()), base.get(key, ())) if b]
+
+
+def _rounds_key(entry) -> str:
+    """The per-round medians of the figure :func:`_time_of` judges by."""
+    return "round_gpu" if entry.get("gpu") and _time_of(entry) is entry["gpu"] else "round_cpu"
 
 
 def _time_of(entry):
@@ -306,7 +318,9 @@ def table(report) -> str:
                 text += f"; {name} {statistics.median(values):.3g}"
             if base and config != "stock":
                 ratio = _time_of(entry)["median"] / _time_of(base)["median"]
-                text += f" (×{ratio:.3g})"
+                pairs = _round_ratios(entry, base, _rounds_key(entry))
+                spread = f"; rounds {min(pairs):.2f}–{max(pairs):.2f}" if len(pairs) > 1 else ""
+                text += f" (×{ratio:.3g}{spread})"
             cells.append(text)
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
