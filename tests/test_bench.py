@@ -76,7 +76,7 @@ def test_overhead_reports_ratio_spread_and_difference():
     per["imported"]["round_cpu"] = [10.1, 10.2]
     (line,) = bench.overhead(report)
     assert "add 100x100 [imported]: CPU ×1.015" in line
-    assert "rounds 1.000-1.010" in line and "+0.15 µs" in line
+    assert "rounds 1.000–1.010" in line and "+0.15 µs" in line
 
 
 def test_rounds_interleave_configurations(tmp_path):
@@ -322,9 +322,9 @@ def test_a_case_the_machine_cannot_run_is_reported_with_its_reason(monkeypatch):
 
 
 def test_the_table_gives_each_rounds_ratio_beside_the_ratio_of_medians(monkeypatch):
-    """One slow process of three moves a ratio of medians (NumPy only on the
-    H200: one `auto` process ran every repeat ~1.5x slower); the table shows
-    the rounds' own ratios beside it, on the figure the case is judged by."""
+    """One process of three that runs every repeat slow moves a ratio of
+    medians; the table shows the rounds' own ratios beside it, on the figure
+    the case is judged by."""
     def table_of(per_round):
         rounds = {config: iter(times) for config, times in per_round.items()}
 
@@ -346,6 +346,24 @@ def test_the_table_gives_each_rounds_ratio_beside_the_ratio_of_medians(monkeypat
     assert rows["| a kernel"].endswith("| CPU 1.0 µs, GPU 44.9 µs (×1.04; rounds 0.97–1.50) |")
     rows = table_of({"stock": [[430.0] * 3], "imported": [[644.0] * 3]})  # one round: no spread to give
     assert rows["| NumPy only"].endswith("| CPU 644.0 µs (×1.5) |")
+
+
+def test_the_tables_rounds_skip_a_failed_run_and_keep_to_the_ratios_figure():
+    """A program's failed run leaves its round without a figure (None), and
+    a ratio is taken on one figure for both configurations: CPU time where
+    either one's GPU time is not what it is judged by."""
+    def entry(cpu, gpu, rounds_cpu, rounds_gpu):
+        return {"cpu": {"median": cpu}, "gpu": gpu and {"median": gpu},
+                "round_cpu": rounds_cpu, "round_gpu": rounds_gpu}
+
+    report = {"configs": ["stock", "auto"], "results": {
+        "program p": {"suite": "programs", "stock": entry(100.0, None, [100.0, 100.0, 100.0], []),
+                      "auto": entry(110.0, None, [120.0, None, 90.0], [])},
+        "mixed": {"suite": "alloc_cupy", "stock": entry(10.0, 1.0, [10.0, 10.0], [1.0, 1.0]),
+                  "auto": entry(5.0, 30.0, [5.0, 6.0], [30.0, 30.0])}}}
+    rows = {line.split(" | ")[0]: line for line in bench.table(report).splitlines()}
+    assert rows["| program p"].endswith("(×1.1; rounds 0.90–1.20) |")
+    assert rows["| mixed"].endswith("(×0.5; rounds 0.50–0.60) |")
 
 
 def test_share_case_times_export_and_import_between_two_processes():

@@ -131,6 +131,8 @@ def test_each_move_is_logged_at_debug_to_the_ump_placement_logger(moves, caplog)
     assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ump.placement", "DEBUG", f"block {BASE:#x} ({GiB} bytes) to GPU 0"),
         ("ump.placement", "DEBUG", f"block {BASE:#x} ({GiB} bytes) back to the host")]
+    # formatted by logging, when a handler takes the record: not by the policy
+    assert caplog.records[0].msg == "block %#x (%d bytes) to GPU %d" and caplog.records[0].args == (BASE, GiB, 0)
 
 
 def _heavy(policy, cupy, size):

@@ -117,16 +117,6 @@ HOST_FAULTS_SECONDS_PER_BYTE = 0.200 / 2**30
 #: overstates what the host-resident block would cost.
 LINK_OVER_HBM = 20
 
-
-def _log(message: str, *args) -> None:
-    """Log one move the policy makes, at DEBUG level, to the
-    ``ump.placement`` logger. Moves are rare, and importing :mod:`logging`
-    here instead of at start-up keeps it out of every program that
-    ``python -m ump run`` starts (CuPy does not import it)."""
-    import logging
-
-    logging.getLogger("ump.placement").debug(message, *args)
-
 #: Blocks whose state is kept; past it the table starts over.
 MAX_BLOCKS = 4096
 #: Blocks handed over and followed across other arrays' reads; past it the
@@ -136,6 +126,16 @@ MAX_PENDING = 256
 #: still holds the NumPy array (``x = cupy.asarray(x)`` lets go of it at
 #: once); past them only waits decide.
 HOLD_CHECKS = 4
+
+
+def _log(message: str, *args) -> None:
+    """Log one move the policy makes, at DEBUG level, to the
+    ``ump.placement`` logger. Moves are rare, and importing :mod:`logging`
+    here instead of at start-up keeps it out of every program that
+    ``python -m ump run`` starts (CuPy does not import it)."""
+    import logging
+
+    logging.getLogger("ump.placement").debug(message, *args)
 
 
 def _chain_refs(array):

@@ -25,7 +25,7 @@ from .. import _probe, backends
 from .._version import pip_install
 from . import cpus as _cpus
 from . import programs
-from .summary import summary
+from .summary import round_ratios, summary
 from . import progress as _progress
 from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, ON_REQUEST
 
@@ -272,23 +272,17 @@ def overhead(report, cases=("add 100x100", "divide 100x100", "divmod 100x100")) 
                 continue
             e = per[config]
             ratio = e["cpu"]["median"] / base["cpu"]["median"]
-            pairs = _round_ratios(e, base, "round_cpu")
-            spread = f", rounds {min(pairs):.3f}-{max(pairs):.3f}" if len(pairs) > 1 else ""
+            pairs = round_ratios(e, base, "cpu")
+            spread = f", rounds {min(pairs):.3f}–{max(pairs):.3f}" if len(pairs) > 1 else ""
             delta = e["cpu"]["median"] - base["cpu"]["median"]
             lines.append(f"{case} [{config}]: CPU ×{ratio:.3f}{spread}; {delta:+.2f} µs per call")
     return lines
 
 
-def _round_ratios(entry, base, key) -> list[float]:
-    """Each round's median of ``entry`` against the same round's of
-    ``base`` (``key``: ``round_cpu`` or ``round_gpu``): the spread a ratio
-    of medians hides when one process of a round runs slow throughout."""
-    return [a / b for a, b in zip(entry.get(key, ()), base.get(key, ())) if b]
-
-
-def _rounds_key(entry) -> str:
-    """The per-round medians of the figure :func:`_time_of` judges by."""
-    return "round_gpu" if entry.get("gpu") and _time_of(entry) is entry["gpu"] else "round_cpu"
+def _judged_by(entry, base) -> str:
+    """"gpu" where both configurations' figures are their GPU time
+    (:func:`_time_of`), else "cpu": a ratio and its rounds on one figure."""
+    return "gpu" if all(e.get("gpu") and _time_of(e) is e["gpu"] for e in (entry, base)) else "cpu"
 
 
 def _time_of(entry):
@@ -317,8 +311,9 @@ def table(report) -> str:
             for name, values in entry.get("metrics", {}).items():
                 text += f"; {name} {statistics.median(values):.3g}"
             if base and config != "stock":
-                ratio = _time_of(entry)["median"] / _time_of(base)["median"]
-                pairs = _round_ratios(entry, base, _rounds_key(entry))
+                key = _judged_by(entry, base)
+                ratio = entry[key]["median"] / base[key]["median"]
+                pairs = round_ratios(entry, base, key)
                 spread = f"; rounds {min(pairs):.2f}–{max(pairs):.2f}" if len(pairs) > 1 else ""
                 text += f" (×{ratio:.3g}{spread})"
             cells.append(text)

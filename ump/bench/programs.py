@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from .summary import summary
+from .summary import round_ratios, summary
 
 __all__ = ["PROGRAMS", "SOURCES", "ENV", "Program", "Source", "command", "docstring_script", "folders",
            "run", "table"]
@@ -371,8 +371,7 @@ def _ratio(entry, base, key):
     round's stock) for ``key`` ("cpu": wall, "gpu": printed), or None."""
     if not entry.get(key) or not base.get(key):
         return None
-    rounds = "round_cpu" if key == "cpu" else "round_gpu"
-    pairs = [a / b for a, b in zip(entry[rounds], base[rounds]) if a is not None and b]
+    pairs = round_ratios(entry, base, key)
     return entry[key]["median"] / base[key]["median"], min(pairs, default=math.nan), max(pairs, default=math.nan)
 
 

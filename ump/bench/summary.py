@@ -1,10 +1,11 @@
-"""The figures a run keeps of a case's times: median, quartiles, extremes."""
+"""The figures a run keeps of a case's times: median, quartiles, extremes;
+and each round's ratio to the same round of another configuration."""
 
 from __future__ import annotations
 
 import statistics
 
-__all__ = ["summary"]
+__all__ = ["summary", "round_ratios"]
 
 
 def summary(times):
@@ -14,3 +15,12 @@ def summary(times):
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return {"median": statistics.median(times), "q1": q[0], "q3": q[2],
             "min": min(times), "max": max(times), "n": len(times)}
+
+
+def round_ratios(entry, base, key):
+    """Each round's median of ``entry`` over the same round's of ``base``, for
+    ``key`` ("cpu" or "gpu"): the spread that a ratio of medians hides when one
+    process of a round runs slow throughout. A round without a figure on
+    either side (a failed run, a report that kept no rounds) gives none."""
+    rounds = "round_cpu" if key == "cpu" else "round_gpu"
+    return [a / b for a, b in zip(entry.get(rounds) or (), base.get(rounds) or ()) if a is not None and b]
