@@ -60,9 +60,9 @@ def test_run_passes_options_after_the_program_to_it(cpu_only, tmp_path):
 
 
 def test_run_leaves_the_programs_imports_to_it(cpu_only, tmp_path):
-    """ump's start-up imports no module of the standard library that NumPy
-    and CuPy leave out and ump needs only now and then: every program
-    started by ``python -m ump run`` would pay for it."""
+    """ump's start-up leaves ``logging`` to the program: NumPy and CuPy do
+    not import it, ump needs it only for a placement move it logs, and every
+    program started by ``python -m ump run`` would pay for it."""
     (tmp_path / "prog.py").write_text("import sys\nprint('logging' in sys.modules)\n")
     run = _run(["-m", "ump", "run", "prog.py"], tmp_path)
     assert run.returncode == 0, run.stderr
