@@ -164,3 +164,115 @@ def test_scalar_conversions_copy_through_the_hook_and_fall_back_to_cupys():
     finally:
         patches.restore()
     assert float(ndarray(2)) == 2.0 and "__float__" not in ndarray.__dict__ and len(hook.copied) == 8
+
+
+
+class _Waits:
+    """Stand-ins for CuPy's waits (a stream's, an event's, the device's,
+    and its synchronisation detection), each recording what waited."""
+
+    def __init__(self, gpus: int):
+        import types
+
+        self.waited, self.allowed = [], True  # ("stream", device), ("event",), ("device",)
+        waits = self
+
+        class BaseStream:  # CuPy's _BaseStream defines synchronize; Stream inherits it
+            def __init__(self, device_id):
+                self.device_id = device_id
+
+            def synchronize(self):
+                waits.waited.append(("stream", self.device_id))
+
+        class Event:
+            def synchronize(self):
+                waits.waited.append(("event",))
+
+        self.BaseStream, self.Stream = BaseStream, type("Stream", (BaseStream,), {})
+        self.stream_wait = BaseStream.synchronize
+        runtime = types.SimpleNamespace(deviceSynchronize=self.device_synchronize,
+                                        getDevice=lambda: 3, getDeviceCount=lambda: gpus)
+        ndarray = type("ndarray", (), {name: (lambda self, *a, **k: None) for name in (
+            "get", "__dlpack__", "__dlpack_device__", "toDlpack", "__bool__", "__int__",
+            "__float__", "__complex__", "item")})
+        ndarray.__cuda_array_interface__ = property(lambda self: {})
+        self.cupy = types.SimpleNamespace(
+            ndarray=ndarray, cuda=types.SimpleNamespace(Stream=self.Stream, Event=Event, runtime=runtime),
+            _core=types.SimpleNamespace(array=None, syncdetect=types.SimpleNamespace(
+                _declare_synchronize=self.declare)))
+
+    def declare(self):
+        if not self.allowed:
+            raise RuntimeError("DeviceSynchronized")
+
+    def device_synchronize(self):
+        self.waited.append(("device",))
+
+    def hook(self, weighed: list):
+        """The hook's own wait methods over these stand-ins (no GPU here),
+        the placement's ``on_sync`` recording into ``weighed``."""
+        import threading
+        import types
+
+        from ump._cupy_hook import CupyHook
+
+        hook = CupyHook.__new__(CupyHook)
+        hook.cupy, hook._own, hook.array = self.cupy, threading.local(), None
+        hook.placement = types.SimpleNamespace(on_sync=lambda device, seconds, exclude, ended:
+                                               weighed.append((device, seconds >= 0, exclude)))
+        return hook
+
+
+def test_the_programs_waits_are_timed_for_the_placement_and_umps_own_are_not():
+    """With ``waits``, a stream's, an event's and the runtime's synchronize
+    and, with one GPU, CuPy's synchronisation-detection hook (where the
+    compiled ``Device.synchronize()`` announces its wait) reach the
+    placement policy; ump's own waits do not, and a disallowed wait raises
+    before anything waits. ``restore()`` gives CuPy's back."""
+    from ump._cupy_patch import CupyPatches
+
+    stand_in, weighed = _Waits(gpus=1), []
+    cupy, Stream = stand_in.cupy, stand_in.Stream
+    hook = stand_in.hook(weighed)
+    patches = CupyPatches(cupy, hook)
+    patches.install(waits=True)
+    try:
+        Stream(1).synchronize()
+        cupy.cuda.Event().synchronize()
+        cupy.cuda.runtime.deviceSynchronize()
+        cupy._core.syncdetect._declare_synchronize()  # Device.synchronize() is about to wait
+        assert stand_in.waited == [("stream", 1), ("event",), ("device",), ("device",)]
+        assert weighed == [(1, True, None), (3, True, None), (3, True, None), (3, True, None)]
+        with hook.own_waits():  # ump's own: they wait, uncounted; the announced one is left to CuPy
+            Stream(1).synchronize()
+            cupy.cuda.runtime.deviceSynchronize()
+            cupy._core.syncdetect._declare_synchronize()
+        assert len(stand_in.waited) == 6 and len(weighed) == 4
+        stand_in.allowed = False  # cupyx.allow_synchronize(False)
+        with pytest.raises(RuntimeError, match="DeviceSynchronized"):
+            cupy._core.syncdetect._declare_synchronize()
+        assert len(stand_in.waited) == 6
+    finally:
+        patches.restore()
+    assert "synchronize" not in Stream.__dict__ and stand_in.BaseStream.synchronize is stand_in.stream_wait
+    assert cupy.cuda.runtime.deviceSynchronize == stand_in.device_synchronize
+    assert cupy._core.syncdetect._declare_synchronize == stand_in.declare
+    Stream(0).synchronize()
+    assert len(weighed) == 4  # CuPy's own again
+
+
+def test_with_several_gpus_the_announced_device_wait_is_left_to_cupy():
+    """``Device(k).synchronize()`` may wait for another GPU than the current
+    one: ump leaves its announcement alone and weighs the other waits."""
+    from ump._cupy_patch import CupyPatches
+
+    stand_in, weighed = _Waits(gpus=2), []
+    patches = CupyPatches(stand_in.cupy, stand_in.hook(weighed))
+    patches.install(waits=True)
+    try:
+        assert stand_in.cupy._core.syncdetect._declare_synchronize == stand_in.declare
+        stand_in.cupy._core.syncdetect._declare_synchronize()
+        stand_in.cupy.cuda.runtime.deviceSynchronize()
+        assert stand_in.waited == [("device",)] and weighed == [(3, True, None)]
+    finally:
+        patches.restore()

@@ -379,6 +379,82 @@ def test_placement_auto_puts_a_heavy_block_back_on_the_host_when_its_work_shrink
     assert a.sum(dtype=np.float64) == done * a.size
 
 
+def _event_wait(cupy):
+    done = cupy.cuda.Event()
+    done.record()
+    done.synchronize()
+
+
+PROGRAM_WAITS = {
+    "stream": lambda cupy: cupy.cuda.get_current_stream().synchronize(),
+    "event": _event_wait,
+    "runtime": lambda cupy: cupy.cuda.runtime.deviceSynchronize(),
+    "device": lambda cupy: cupy.cuda.Device().synchronize(),
+}
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("wait", sorted(PROGRAM_WAITS))
+def test_placement_auto_weighs_the_programs_own_waits(gpu_caps, wait):
+    """A program that waits for the GPU itself (a stream's, an event's or
+    the device's synchronize) before it reads leaves the export no wait of
+    its own. Ten kernels over a 256 MiB block (~64 ms over the link)
+    before that wait make it heavy all the same, and its next hand-off
+    moves it; every read sees every kernel."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    if wait == "device" and cupy.cuda.runtime.getDeviceCount() != 1:
+        pytest.skip("Device.synchronize() is weighed with one GPU only (ump takes its wait)")
+    placement = ump._enable.current().cupy.placement
+    a = np.zeros(64 << 20, dtype=np.float32)
+    _, base, size = ump._core.lookup(a.ctypes.data)
+    warm = cupy.ones(8, dtype=np.float32)
+    warm += 1  # compiled before anything is timed
+    on_gpu = []
+    for done in (10, 20):
+        g = cupy.asarray(a)
+        on_gpu.append(placement.state(base, size).on_gpu)
+        for _ in range(10):
+            g += 1
+        PROGRAM_WAITS[wait](cupy)
+        b = cupy.asnumpy(g)
+        assert b.ctypes.data == a.ctypes.data and b[::1024].sum() == done * (b.size // 1024)
+        assert placement.state(base, size).heavy
+    assert on_gpu == [None, 0]
+    assert a.sum(dtype=np.float64) == 20.0 * a.size
+
+
+@pytest.mark.serial
+def test_placement_auto_moves_a_matrix_kernels_read_between_the_programs_own_waits(gpu_caps):
+    """A solver's shape whose host synchronises each step instead of reading
+    a scalar (``cupy.cuda.Device().synchronize()``, as timing loops do):
+    the 32 MiB matrix each product reads over the link moves to the GPU
+    after a few steps, and every product stays right."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() != 1:
+        pytest.skip("Device.synchronize() is weighed with one GPU only (ump takes its wait)")
+    placement = ump._enable.current().cupy.placement
+    A = np.ones((2048, 2048))
+    _, base, size = ump._core.lookup(A.ctypes.data)
+    warm = cupy.ones((8, 8)) @ cupy.ones(8)  # cuBLAS loaded before anything is timed
+    float(warm[0])
+    g = cupy.asarray(A)
+    v = cupy.ones(A.shape[1], dtype=A.dtype)
+    moved_at = None
+    for step in range(60):
+        w = g @ v
+        cupy.cuda.Device().synchronize()
+        if moved_at is None and placement.state(base, size).on_gpu == 0:
+            moved_at = step
+    assert moved_at is not None and moved_at < 40, moved_at
+    assert float(w[0]) == float(w[-1]) == A.shape[1]
+
+
 @pytest.mark.serial
 def test_placement_auto_moves_a_new_block_of_a_heavy_blocks_size_at_its_first_hand_off(gpu_caps):
     """A loop that makes its next array before it drops the last one hands

@@ -230,12 +230,20 @@ def test_gpu_idle_time_keeps_a_heavy_block_heavy(moves):
     assert policy.state(BASE, GiB).heavy
 
 
-def test_gpu_time_counts_no_more_than_the_host_waited(moves):
+def test_gpu_time_counts_no_more_than_the_host_waited_since_the_hand_off(moves):
+    """The program's own waits count (``Stream.synchronize()``), waits before the hand-off not."""
     cupy = FakeCupy()
     policy = _policy(cupy)
     policy.on_handoff("managed", BASE, GiB)
     _step(policy, cupy, GiB, 0.5, waited=0.01)  # the GPU worked while the host was busy
     assert not policy.state(BASE, GiB).heavy
+    policy.on_sync(0, 0.5, None, 1.0)  # other work's, before the next hand-off
+    for waited, heavy in ((0.0, False), (0.26, True)):
+        policy.on_handoff("managed", BASE, GiB)
+        cupy.work(0.26)  # ten kernels over the link, then the program's own wait for them, or none
+        policy.on_sync(0, waited, None, 2.0 + waited)
+        _step(policy, cupy, GiB, 0.0, waited=0.0)  # the export finds the GPU idle
+        assert policy.state(BASE, GiB).heavy is heavy and moves == []
 
 
 def test_a_peek_loop_migrates_at_the_second_export_and_stays(moves):

@@ -36,6 +36,7 @@ do then, and exports to GPU libraries wait for nothing.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 import numpy
@@ -134,6 +135,7 @@ class CupyHook:
         self.copies = self.allocator.vmm
         self.patches = CupyPatches(cupy, self)
         self._element_buffers = []  # pinned buffers scalar() copies an element into
+        self._own = threading.local()  # .waiting: this thread is in one of ump's own waits
 
     # --- waiting for the GPU -------------------------------------------------
     def synchronize(self, stream=None, device=None, exporting=None) -> float:
@@ -158,14 +160,41 @@ class CupyHook:
     def _wait(self, stream, device, exporting=None) -> float:
         self._declare_synchronize()
         start = time.perf_counter()
-        if stream is not None and self.options.sync == "stream":
-            stream.synchronize()
-        else:
-            self.release.wait_for(device)
+        with self.own_waits():
+            if stream is not None and self.options.sync == "stream":
+                stream.synchronize()
+            else:
+                self.release.wait_for(device)
         ended = time.perf_counter()
         self.placement.on_sync(self.cupy.cuda.runtime.getDevice() if device is None else device,
                                ended - start, exporting, ended)
         return ended - start
+
+    def own_waits(self):
+        """A context in which this thread's waits are ump's own (its
+        conversions', its moves'), which :meth:`program_wait` leaves to
+        their callers to count, or not to count."""
+        return _OwnWaits(self._own)
+
+    def waiting_itself(self) -> bool:
+        """Whether this thread is in one of ump's own waits."""
+        return getattr(self._own, "waiting", False)
+
+    def program_wait(self, wait, device: int = -1):
+        """``wait()``, a wait the program asked CuPy for (a stream's, an
+        event's, the device's), timed and weighed by the placement policy
+        as ump's own waits are (``device``: the one waited for, -1 the
+        current one). A program that synchronises before it reads
+        otherwise leaves ump's waits nothing to see."""
+        if self.waiting_itself():
+            return wait()
+        start = time.perf_counter()
+        result = wait()
+        ended = time.perf_counter()
+        if device < 0:
+            device = self.cupy.cuda.runtime.getDevice()
+        self.placement.on_sync(device, ended - start, None, ended)
+        return result
 
     def _refuse_while_capturing(self, stream=None):
         if capturing(self.cupy, stream):
@@ -237,7 +266,8 @@ class CupyHook:
                         # The copy reads `obj` in place, queued on the current
                         # stream. Stock CuPy returns once it has read pageable
                         # memory, and programs write `obj` right after.
-                        self.cupy.cuda.get_current_stream().synchronize()
+                        with self.own_waits():
+                            self.cupy.cuda.get_current_stream().synchronize()
                     return out
         return original(obj, dtype, copy, order, subok, ndmin, blocking)
 
@@ -256,7 +286,8 @@ class CupyHook:
         out = cupy.empty(a.shape, dtype)
         stream = cupy.cuda.get_current_stream()
         out.data.copy_from_host_async(ptr, a.nbytes, stream)
-        stream.synchronize()  # the caller may write to `a` as soon as we return
+        with self.own_waits():
+            stream.synchronize()  # the caller may write to `a` as soon as we return
         return out
 
     # --- CuPy -> host -------------------------------------------------------
@@ -276,9 +307,10 @@ class CupyHook:
             waited = self.synchronize(stream, g.data.device_id, exporting=(base, size))
         else:
             self._refuse_while_capturing(stream)  # the kernels have not even run
-        self.placement.on_host_export(kind, base, size, waited, stream)
-        if kind == "managed" and owner != self.numpy_arena:
-            self.placement.on_result_export(base, size, lo, hi, g.data.device_id, waited)
+        with self.own_waits():  # a move back waits for the stream, an event is read
+            self.placement.on_host_export(kind, base, size, waited, stream)
+            if kind == "managed" and owner != self.numpy_arena:
+                self.placement.on_result_export(base, size, lo, hi, g.data.device_id, waited)
         iface = {
             "version": 3,
             "shape": g.shape,
@@ -354,7 +386,9 @@ class CupyHook:
             # CuPy copies on `stream` (or the current one) only: a kernel
             # another stream queued on the array must finish first.
             self.synchronize(stream, g.data.device_id)
-        return self.patches.original["get"](g, stream=stream, order=order, out=out, blocking=blocking)
+        with self.own_waits():  # CuPy's copy waits for the stream it queued on
+            return self.patches.original["get"](g, stream=stream, order=order, out=out,
+                                                blocking=blocking)
 
     def host_array(self, g, dtype=None, copy=None):
         """``numpy.asarray(g)`` under ump: shared where the memory is
@@ -417,7 +451,8 @@ class CupyHook:
         """Patch CuPy and set its allocator; on any failure put back what
         was changed."""
         try:
-            self.patches.install()
+            # The program's waits count where the placement policy weighs them.
+            self.patches.install(waits=self.placement.mode == "auto" and self.backend.name == "managed")
             self.allocator.install()
         except BaseException:
             self.patches.restore()
@@ -445,6 +480,23 @@ class CupyHook:
         # Blocks CuPy's pool caches go back to the arena; blocks of live
         # arrays stay valid and return when those arrays are freed.
         self.pool.free_all_blocks()
+
+
+class _OwnWaits:
+    """``with``: the thread's waits are ump's own until the block ends
+    (nested blocks keep the outer one's)."""
+
+    __slots__ = ("_local", "_before")
+
+    def __init__(self, local):
+        self._local = local
+
+    def __enter__(self):
+        self._before = getattr(self._local, "waiting", False)
+        self._local.waiting = True
+
+    def __exit__(self, *exc):
+        self._local.waiting = self._before
 
 
 def advice_code(name: str) -> int:

@@ -9,8 +9,9 @@ reallocates the same array learns too:
 - **Round trips** (hand-off, kernels, an export the host reads whole, the
   next hand-off): at the export ump reads the GPU time the block's work cost
   since the hand-off (on the GPU's clock, but no more than the host waited
-  at the export: events also count the GPU idling while the host compiles
-  or dispatches, and work that ran while the host was busy cost nothing).
+  since the hand-off, at the export and before it: events also count the
+  GPU idling while the host compiles or dispatches, and work that ran while
+  the host was busy cost nothing).
   Once that exceeds migrating the block there and back, the block is
   *heavy*: later hand-offs migrate it and exports bring it back (a
   ski-rental rule). A heavy block's round trip is timed too, from the end
@@ -26,7 +27,9 @@ reallocates the same array learns too:
 - **Work between other arrays' reads** (the block is handed over, then
   kernels read it again and again while the host reads only other arrays,
   such as a solver's scalar residual): at every wait for the GPU that ump
-  makes (exports of any array, and scalar reads, which copy), the host's waits
+  makes (exports of any array, and scalar reads, which copy) or that the
+  program asks CuPy for (a stream's, an event's or the device's
+  ``synchronize``: ``CupyHook.program_wait``), the host's waits
   on the block's device since its last hand-off are a lower bound of the
   GPU time spent meanwhile, of which over the link about 95 % would be
   lost if the kernels read this block. Once that loss exceeds what the
@@ -427,12 +430,20 @@ class Placement:
             self._learn_gpu_resident(state, base, size, stream, seconds, waited is not None)
 
     def _gpu_seconds(self, state: BlockState, stream, waited: float | None) -> float | None:
-        """The GPU time the block's work cost since the hand-off (its event)
-        or the last export (the host's wait alone)."""
+        """The GPU time the block's work cost since the hand-off (its event,
+        no more than the host waited since: this export's wait and every
+        earlier one, the program's own synchronisations included) or the
+        last export (the host's wait alone)."""
         if state.start is None:
             return waited
         elapsed = self._elapsed(state, stream, waited)
-        return None if elapsed is None else min(elapsed, waited)
+        if elapsed is None:
+            return None
+        # A program that waits for the GPU itself before it reads
+        # (``Stream.synchronize()``, an event's) leaves this export no wait
+        # of its own: its waits since the hand-off bound the work instead.
+        since = self.waits.get(state.device, 0.0) - state.mark if self.mode == "auto" else 0.0
+        return min(elapsed, max(waited, since))
 
     def _elapsed(self, state: BlockState, stream, waited: float | None) -> float | None:
         """Seconds on the GPU's clock from the hand-off's event to now, which
