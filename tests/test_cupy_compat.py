@@ -166,7 +166,6 @@ def test_scalar_conversions_copy_through_the_hook_and_fall_back_to_cupys():
     assert float(ndarray(2)) == 2.0 and "__float__" not in ndarray.__dict__ and len(hook.copied) == 8
 
 
-
 class _Waits:
     """Stand-ins for CuPy's waits (a stream's, an event's, the device's,
     and its synchronisation detection), each recording what waited."""
@@ -211,31 +210,33 @@ class _Waits:
     def hook(self, weighed: list):
         """The hook's own wait methods over these stand-ins (no GPU here),
         the placement's ``on_sync`` recording into ``weighed``."""
-        import threading
         import types
 
         from ump._cupy_hook import CupyHook
 
         hook = CupyHook.__new__(CupyHook)
-        hook.cupy, hook._own, hook.array = self.cupy, threading.local(), None
+        hook.cupy, hook.array = self.cupy, None
         hook.placement = types.SimpleNamespace(on_sync=lambda device, seconds, exclude, ended:
                                                weighed.append((device, seconds >= 0, exclude)))
         return hook
 
 
 def test_the_programs_waits_are_timed_for_the_placement_and_umps_own_are_not():
-    """With ``waits``, a stream's, an event's and the runtime's synchronize
-    and, with one GPU, CuPy's synchronisation-detection hook (where the
+    """``wrap_waits()``: a stream's, an event's and the runtime's
+    synchronize and CuPy's synchronisation-detection hook (where the
     compiled ``Device.synchronize()`` announces its wait) reach the
-    placement policy; ump's own waits do not, and a disallowed wait raises
-    before anything waits. ``restore()`` gives CuPy's back."""
+    placement policy; ump's own waits (``OwnWaits``) do not, and a
+    disallowed wait raises before anything waits. ``restore()`` gives
+    CuPy's back."""
+    from ump._cupy_compat import OwnWaits
     from ump._cupy_patch import CupyPatches
 
     stand_in, weighed = _Waits(gpus=1), []
     cupy, Stream = stand_in.cupy, stand_in.Stream
     hook = stand_in.hook(weighed)
     patches = CupyPatches(cupy, hook)
-    patches.install(waits=True)
+    patches.install()
+    patches.wrap_waits()
     try:
         Stream(1).synchronize()
         cupy.cuda.Event().synchronize()
@@ -243,7 +244,7 @@ def test_the_programs_waits_are_timed_for_the_placement_and_umps_own_are_not():
         cupy._core.syncdetect._declare_synchronize()  # Device.synchronize() is about to wait
         assert stand_in.waited == [("stream", 1), ("event",), ("device",), ("device",)]
         assert weighed == [(1, True, None), (3, True, None), (3, True, None), (3, True, None)]
-        with hook.own_waits():  # ump's own: they wait, uncounted; the announced one is left to CuPy
+        with OwnWaits():  # ump's own: they wait, uncounted; the announced one is left to CuPy
             Stream(1).synchronize()
             cupy.cuda.runtime.deviceSynchronize()
             cupy._core.syncdetect._declare_synchronize()
@@ -261,18 +262,23 @@ def test_the_programs_waits_are_timed_for_the_placement_and_umps_own_are_not():
     assert len(weighed) == 4  # CuPy's own again
 
 
-def test_with_several_gpus_the_announced_device_wait_is_left_to_cupy():
-    """``Device(k).synchronize()`` may wait for another GPU than the current
-    one: ump leaves its announcement alone and weighs the other waits."""
+def test_with_several_gpus_events_and_the_announced_device_wait_are_left_to_cupy():
+    """An event names no device, and ``Device(k).synchronize()`` may wait for
+    another GPU than the current one: with several GPUs ump leaves both
+    alone and weighs a stream's wait on its own device."""
     from ump._cupy_patch import CupyPatches
 
     stand_in, weighed = _Waits(gpus=2), []
+    event_wait = stand_in.cupy.cuda.Event.synchronize
     patches = CupyPatches(stand_in.cupy, stand_in.hook(weighed))
-    patches.install(waits=True)
+    patches.install()
+    patches.wrap_waits()
     try:
         assert stand_in.cupy._core.syncdetect._declare_synchronize == stand_in.declare
+        assert stand_in.cupy.cuda.Event.synchronize is event_wait
         stand_in.cupy._core.syncdetect._declare_synchronize()
-        stand_in.cupy.cuda.runtime.deviceSynchronize()
-        assert stand_in.waited == [("device",)] and weighed == [(3, True, None)]
+        stand_in.cupy.cuda.Event().synchronize()
+        stand_in.Stream(1).synchronize()
+        assert stand_in.waited == [("event",), ("stream", 1)] and weighed == [(1, True, None)]
     finally:
         patches.restore()

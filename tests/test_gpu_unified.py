@@ -405,8 +405,9 @@ def test_placement_auto_weighs_the_programs_own_waits(gpu_caps, wait):
     ump.enable("managed", cap=4 << 30)
     import cupy
 
-    if wait == "device" and cupy.cuda.runtime.getDeviceCount() != 1:
-        pytest.skip("Device.synchronize() is weighed with one GPU only (ump takes its wait)")
+    if wait in ("device", "event") and cupy.cuda.runtime.getDeviceCount() != 1:
+        pytest.skip("events and Device.synchronize() are weighed with one GPU only (they name no GPU "
+                    "or may wait for another)")
     placement = ump._enable.current().cupy.placement
     a = np.zeros(64 << 20, dtype=np.float32)
     _, base, size = ump._core.lookup(a.ctypes.data)

@@ -1,8 +1,7 @@
-"""The placement policy's decisions, on the CPU: a stand-in for the CuPy
-calls it makes (events on a GPU clock the test advances, the free memory,
-the stream) and for the prefetch, which records where each block was sent.
-What the moves cost on a GPU is in docs/backends.md; the GPU test of the
-policy is tests/test_gpu_unified.py."""
+"""The placement policy's decisions, on the CPU: a stand-in for the CuPy calls it makes (events
+on a GPU clock the test advances, the free memory, the stream) and for the prefetch, which records
+where each block was sent. What the moves cost on a GPU is in docs/backends.md; the GPU test of
+the policy is tests/test_gpu_unified.py."""
 
 from __future__ import annotations
 
@@ -242,6 +241,7 @@ def test_gpu_time_counts_no_more_than_the_host_waited_since_the_hand_off(moves):
         policy.on_handoff("managed", BASE, GiB)
         cupy.work(0.26)  # ten kernels over the link, then the program's own wait for them, or none
         policy.on_sync(0, waited, None, 2.0 + waited)
+        policy.on_handoff("managed", BASE, GiB)  # handed over again: the first hand-off's event counts
         _step(policy, cupy, GiB, 0.0, waited=0.0)  # the export finds the GPU idle
         assert policy.state(BASE, GiB).heavy is heavy and moves == []
 

@@ -196,6 +196,25 @@ def _finishes(target, *args, timeout=5.0):
     return not worker.is_alive()
 
 
+def test_the_queues_and_the_pools_waits_are_umps_own(monkeypatch):
+    """Waits ump makes to release memory run inside ``OwnWaits``: the
+    program's waits, which ump times for the placement policy, would
+    otherwise count them too."""
+    from ump import _cupy_alloc
+    from ump._cupy_compat import waiting_itself
+
+    inside = []
+    cupy = _fake_cupy([])
+    cupy.cuda.runtime.deviceSynchronize = lambda: inside.append(waiting_itself())
+    queue = ReleaseQueue(cupy)
+    queue.defer(np.ones(4), 0)
+    queue.drain()
+    monkeypatch.setattr(_cupy_alloc._core, "_arena_free", lambda ptr: None)
+    chunk = _cupy_alloc._Chunk(0x1000, cupy.cuda.runtime)
+    del chunk  # the pool gives the block back: a wait, then the free
+    assert inside == [True, True] and not waiting_itself()
+
+
 def test_releasing_host_views_of_round_trips_hands_the_queue_more_without_a_hang():
     # In-place round trips: each array released frees a host view whose CuPy
     # view had leased another NumPy array; that Lease hands it to the queue

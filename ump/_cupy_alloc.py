@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 
 from . import _core
-from ._cupy_compat import capturing
+from ._cupy_compat import OwnWaits, capturing
 from ._release import ReleaseQueue
 
 __all__ = ["UnifiedUpstream", "CupyAllocator", "retry_after_recovery"]
@@ -69,7 +69,8 @@ class _Chunk:
             except Exception:
                 pass  # whatever it met, the wait and the free below must happen
         try:
-            self.runtime.deviceSynchronize()
+            with OwnWaits():  # the pool's, not the program's
+                self.runtime.deviceSynchronize()
         except Exception:
             pass
         _core._arena_free(self.ptr)

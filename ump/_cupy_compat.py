@@ -14,11 +14,13 @@ import inspect
 import os
 import struct
 import sys
+import threading
 
 from ._errors import OutOfMemoryError, UmpError
 
 __all__ = ["import_cupy", "cupy_module", "check_cupy", "Patches", "out_of_memory_error", "set_capsule_device",
-           "sync_declarer", "capturing", "KDL_CPU", "KDL_CUDA", "KDL_CUDA_MANAGED"]
+           "sync_declarer", "OwnWaits", "waiting_itself", "capturing", "KDL_CPU", "KDL_CUDA",
+           "KDL_CUDA_MANAGED"]
 
 #: CuPy releases whose internals ump was checked against (major versions).
 SUPPORTED_MAJORS = (13, 14)
@@ -217,6 +219,31 @@ def sync_declarer(cupy):
     as CuPy's own waits do. A no-op for a CuPy without that detection."""
     syncdetect = getattr(getattr(cupy, "_core", None), "syncdetect", None)
     return _nothing_to_declare if syncdetect is None else syncdetect._declare_synchronize
+
+
+_own = threading.local()
+
+
+class OwnWaits:
+    """``with OwnWaits():`` this thread's waits for the GPU are ump's own
+    (its conversions', its moves', its releases') until the block ends. The
+    program's waits, which ump times for the placement policy
+    (``CupyHook.program_wait``), pass through these uncounted: ump counts
+    its own once, or not at all. Nested blocks keep the outer one's."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self):
+        self._before = getattr(_own, "waiting", False)
+        _own.waiting = True
+
+    def __exit__(self, *exc):
+        _own.waiting = self._before
+
+
+def waiting_itself() -> bool:
+    """Whether this thread is inside :class:`OwnWaits`."""
+    return getattr(_own, "waiting", False)
 
 
 def capturing(cupy, stream=None) -> bool:

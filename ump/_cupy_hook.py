@@ -36,15 +36,14 @@ do then, and exports to GPU libraries wait for nothing.
 from __future__ import annotations
 
 import ctypes
-import threading
 import time
 
 import numpy
 
 from . import _core
 from ._cupy_alloc import CupyAllocator
-from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, capturing, out_of_memory_error,
-                           set_capsule_device, sync_declarer)
+from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, OwnWaits, capturing, out_of_memory_error,
+                           set_capsule_device, sync_declarer, waiting_itself)
 from ._cupy_patch import CupyPatches
 from ._errors import UmpError
 from ._placement import Placement
@@ -135,7 +134,6 @@ class CupyHook:
         self.copies = self.allocator.vmm
         self.patches = CupyPatches(cupy, self)
         self._element_buffers = []  # pinned buffers scalar() copies an element into
-        self._own = threading.local()  # .waiting: this thread is in one of ump's own waits
 
     # --- waiting for the GPU -------------------------------------------------
     def synchronize(self, stream=None, device=None, exporting=None) -> float:
@@ -160,7 +158,7 @@ class CupyHook:
     def _wait(self, stream, device, exporting=None) -> float:
         self._declare_synchronize()
         start = time.perf_counter()
-        with self.own_waits():
+        with OwnWaits():
             if stream is not None and self.options.sync == "stream":
                 stream.synchronize()
             else:
@@ -170,23 +168,13 @@ class CupyHook:
                                ended - start, exporting, ended)
         return ended - start
 
-    def own_waits(self):
-        """A context in which this thread's waits are ump's own (its
-        conversions', its moves'), which :meth:`program_wait` leaves to
-        their callers to count, or not to count."""
-        return _OwnWaits(self._own)
-
-    def waiting_itself(self) -> bool:
-        """Whether this thread is in one of ump's own waits."""
-        return getattr(self._own, "waiting", False)
-
     def program_wait(self, wait, device: int = -1):
         """``wait()``, a wait the program asked CuPy for (a stream's, an
         event's, the device's), timed and weighed by the placement policy
         as ump's own waits are (``device``: the one waited for, -1 the
         current one). A program that synchronises before it reads
         otherwise leaves ump's waits nothing to see."""
-        if self.waiting_itself():
+        if waiting_itself():
             return wait()
         start = time.perf_counter()
         result = wait()
@@ -266,7 +254,7 @@ class CupyHook:
                         # The copy reads `obj` in place, queued on the current
                         # stream. Stock CuPy returns once it has read pageable
                         # memory, and programs write `obj` right after.
-                        with self.own_waits():
+                        with OwnWaits():
                             self.cupy.cuda.get_current_stream().synchronize()
                     return out
         return original(obj, dtype, copy, order, subok, ndmin, blocking)
@@ -286,7 +274,7 @@ class CupyHook:
         out = cupy.empty(a.shape, dtype)
         stream = cupy.cuda.get_current_stream()
         out.data.copy_from_host_async(ptr, a.nbytes, stream)
-        with self.own_waits():
+        with OwnWaits():
             stream.synchronize()  # the caller may write to `a` as soon as we return
         return out
 
@@ -307,7 +295,7 @@ class CupyHook:
             waited = self.synchronize(stream, g.data.device_id, exporting=(base, size))
         else:
             self._refuse_while_capturing(stream)  # the kernels have not even run
-        with self.own_waits():  # a move back waits for the stream, an event is read
+        with OwnWaits():  # a move back waits for the stream, an event is read
             self.placement.on_host_export(kind, base, size, waited, stream)
             if kind == "managed" and owner != self.numpy_arena:
                 self.placement.on_result_export(base, size, lo, hi, g.data.device_id, waited)
@@ -386,7 +374,7 @@ class CupyHook:
             # CuPy copies on `stream` (or the current one) only: a kernel
             # another stream queued on the array must finish first.
             self.synchronize(stream, g.data.device_id)
-        with self.own_waits():  # CuPy's copy waits for the stream it queued on
+        with OwnWaits():  # CuPy's copy waits for the stream it queued on
             return self.patches.original["get"](g, stream=stream, order=order, out=out,
                                                 blocking=blocking)
 
@@ -428,7 +416,8 @@ class CupyHook:
                 return view.__dlpack__(**kwargs)
             if to_cpu or copy is True:
                 self.synchronize(device=g.data.device_id)
-                return original(g, dl_device=(KDL_CPU, 0), copy=copy, **kwargs)
+                with OwnWaits():  # CuPy's host copy waits for its stream
+                    return original(g, dl_device=(KDL_CPU, 0), copy=copy, **kwargs)
         managed_asked = dl_device is not None and dl_device[0] == KDL_CUDA_MANAGED
         if managed_asked:
             dl_device = None
@@ -451,8 +440,10 @@ class CupyHook:
         """Patch CuPy and set its allocator; on any failure put back what
         was changed."""
         try:
-            # The program's waits count where the placement policy weighs them.
-            self.patches.install(waits=self.placement.mode == "auto" and self.backend.name == "managed")
+            self.patches.install()
+            if self.placement.mode == "auto" and self.backend.advise_host:
+                # NumPy's blocks are managed memory the policy places, by waits.
+                self.patches.wrap_waits()
             self.allocator.install()
         except BaseException:
             self.patches.restore()
@@ -480,23 +471,6 @@ class CupyHook:
         # Blocks CuPy's pool caches go back to the arena; blocks of live
         # arrays stay valid and return when those arrays are freed.
         self.pool.free_all_blocks()
-
-
-class _OwnWaits:
-    """``with``: the thread's waits are ump's own until the block ends
-    (nested blocks keep the outer one's)."""
-
-    __slots__ = ("_local", "_before")
-
-    def __init__(self, local):
-        self._local = local
-
-    def __enter__(self):
-        self._before = getattr(self._local, "waiting", False)
-        self._local.waiting = True
-
-    def __exit__(self, *exc):
-        self._local.waiting = self._before
 
 
 def advice_code(name: str) -> int:

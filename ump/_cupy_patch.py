@@ -8,20 +8,22 @@ Python scalar (``__bool__``, ``__int__``, ``__float__``, ``__complex__``,
 ``item``): each replacement calls the hook's conversion (ump/_cupy_hook.py),
 which calls CuPy's original where ump has nothing to add. Where the
 placement policy weighs waits (backend ``managed``, placement ``auto``), the
-program's own waits too: a stream's and an event's ``synchronize``,
-``cupy.cuda.runtime.deviceSynchronize`` and, with one GPU, the wait that
-CuPy announces to its synchronisation detection (``Device.synchronize()``,
-a compiled method that cannot be replaced, announces its wait there first).
+program's own waits too (``wrap_waits``): a stream's ``synchronize``,
+``cupy.cuda.runtime.deviceSynchronize`` and, with one GPU, an event's
+``synchronize`` and the wait that CuPy announces to its synchronisation
+detection (``Device.synchronize()``, a compiled method that cannot be
+replaced, announces its wait there first).
 ``restore()`` puts back exactly what was there (``_cupy_compat.Patches``).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy
 
-from ._cupy_compat import Patches
+from ._cupy_compat import Patches, waiting_itself
 
 __all__ = ["CupyPatches"]
 
@@ -42,9 +44,8 @@ class CupyPatches:
         self.original = {}
         self._patches = None
 
-    def install(self, waits: bool = False) -> None:
-        """Replace CuPy's entry points (``waits``: the program's waits too);
-        restorable from the first change on."""
+    def install(self) -> None:
+        """Replace CuPy's entry points; restorable from the first change on."""
         cupy, nd = self.cupy, self.cupy.ndarray
         self.original.update(array=cupy._core.array, get=nd.get, __dlpack__=nd.__dlpack__,
                              __dlpack_device__=nd.__dlpack_device__, toDlpack=nd.toDlpack)
@@ -53,44 +54,51 @@ class CupyPatches:
         patches.set(cupy._core, "array", self.hook.array)
         for name, value in methods.items():
             patches.set(nd, name, value)
-        if waits:
-            self._waits(patches)
 
-    def _waits(self, patches: Patches) -> None:
-        """Time the waits the program asks CuPy for (``hook.program_wait``)."""
-        hook, cuda = self.hook, self.cupy.cuda
+    def wrap_waits(self) -> None:
+        """After :meth:`install`: time the waits the program asks CuPy for
+        (``hook.program_wait``); :meth:`restore` undoes these too."""
+        hook, cuda, patches = self.hook, self.cupy.cuda, self._patches
         runtime = cuda.runtime
         # The class that defines it: Stream and ExternalStream share it.
         streams = next(k for k in cuda.Stream.__mro__ if "synchronize" in vars(k))
-        stream_wait, event_wait, device_wait = (streams.synchronize, cuda.Event.synchronize,
-                                                runtime.deviceSynchronize)
+        stream_wait, device_wait = streams.synchronize, runtime.deviceSynchronize
 
+        @functools.wraps(stream_wait)
         def stream_synchronize(self):
             return hook.program_wait(lambda: stream_wait(self), self.device_id)
 
-        def event_synchronize(self):
-            return hook.program_wait(lambda: event_wait(self))
-
+        @functools.wraps(device_wait)
         def device_synchronize():
             return hook.program_wait(device_wait)
 
-        for fn, like in ((stream_synchronize, stream_wait), (event_synchronize, event_wait),
-                         (device_synchronize, device_wait)):
-            fn.__name__, fn.__doc__ = like.__name__, like.__doc__
         patches.set(streams, "synchronize", stream_synchronize)
-        patches.set(cuda.Event, "synchronize", event_synchronize)
         patches.set(runtime, "deviceSynchronize", device_synchronize)
+        if runtime.getDeviceCount() != 1:
+            # An event names no device, and Device(k).synchronize() may wait
+            # for another GPU than the current one: neither is weighed.
+            return
+        event_wait = cuda.Event.synchronize
+
+        @functools.wraps(event_wait)
+        def event_synchronize(self):
+            return hook.program_wait(lambda: event_wait(self))
+
+        patches.set(cuda.Event, "synchronize", event_synchronize)
         syncdetect = getattr(self.cupy._core, "syncdetect", None)
-        if syncdetect is None or runtime.getDeviceCount() != 1:
-            return  # Device(k).synchronize() may wait for another GPU than the current one
+        if syncdetect is None:
+            return
         declare = syncdetect._declare_synchronize
 
+        @functools.wraps(declare)
         def declare_synchronize():
             declare()  # raises where cupyx.allow_synchronize(False) says so
-            if not hook.waiting_itself():
+            if not waiting_itself():
                 # Device.synchronize() (a compiled method) calls this just
                 # before its wait, the one GPU's: ump takes the wait here,
-                # timed, and CuPy's own then finds the device idle.
+                # timed, and CuPy's own then finds the device idle. CuPy's
+                # ndarray.get() calls it too, before its copy; ump's get()
+                # runs CuPy's inside OwnWaits, so no wait is added there.
                 hook.program_wait(device_wait)
 
         patches.set(syncdetect, "_declare_synchronize", declare_synchronize)

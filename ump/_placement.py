@@ -187,6 +187,7 @@ class BlockState:
     peeked: bool = False        # peek loops: leaving it on the GPU paid
     start: object = None        # event recorded at the hand-off being measured
     start_device: int = -1      # the device that event belongs to
+    start_mark: float = 0.0     # the host's waits on that device when it was recorded
     exports: int = 0            # host exports since the last hand-off
     host_seconds: float | None = None  # GPU time of the last interval spent host-resident
     moved: bool = False         # migrated since the last export: the next interval holds its cost
@@ -394,6 +395,7 @@ class Placement:
             state.start = cuda.Event()
             state.start.record()
             state.start_device = cuda.runtime.getDevice()
+            state.start_mark = self.waits.get(state.start_device, 0.0)
 
     def on_host_export(self, kind: str, base: int, size: int, waited: float | None = None,
                        stream=None) -> None:
@@ -442,7 +444,7 @@ class Placement:
         # A program that waits for the GPU itself before it reads
         # (``Stream.synchronize()``, an event's) leaves this export no wait
         # of its own: its waits since the hand-off bound the work instead.
-        since = self.waits.get(state.device, 0.0) - state.mark if self.mode == "auto" else 0.0
+        since = self.waits.get(state.start_device, 0.0) - state.start_mark
         return min(elapsed, max(waited, since))
 
     def _elapsed(self, state: BlockState, stream, waited: float | None) -> float | None:

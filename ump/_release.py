@@ -10,7 +10,7 @@ import threading
 
 import numpy
 
-from ._cupy_compat import capturing
+from ._cupy_compat import OwnWaits, capturing
 
 __all__ = ["ReleaseQueue", "Lease"]
 
@@ -171,7 +171,9 @@ class ReleaseQueue:
                 and not any(list(self._pending.values()))):
             # One GPU, nothing deferred: the wait alone (a solver's scalar
             # read each step comes here). An array deferred meanwhile waits
-            # for the next wait, which only keeps it longer.
+            # for the next wait, which only keeps it longer. (Its callers,
+            # the hook's wait and disable(), run it inside OwnWaits or
+            # after CuPy's own waits are back.)
             runtime.deviceSynchronize()
             return
         self._wait([device], current)
@@ -202,12 +204,13 @@ class ReleaseQueue:
             # peer access (CuPy runs a cross-device copy on the current
             # device): the memory's own device may have nothing queued.
             devices = sorted(set(devices).union(self._active_devices()))
-        for d in devices:
-            if d == current:
-                cuda.runtime.deviceSynchronize()
-            else:
-                with cuda.Device(d):
+        with OwnWaits():  # the queue's waits, not the program's
+            for d in devices:
+                if d == current:
                     cuda.runtime.deviceSynchronize()
+                else:
+                    with cuda.Device(d):
+                        cuda.runtime.deviceSynchronize()
         for d in devices:
             self.synchronized(d, mark)
 
