@@ -262,6 +262,29 @@ def test_the_programs_waits_are_timed_for_the_placement_and_umps_own_are_not():
     assert len(weighed) == 4  # CuPy's own again
 
 
+def test_umps_own_wait_reaches_the_placement_once():
+    """The hook's wait (an export's, a scalar read's) is reported to the
+    placement by the hook itself, once: the release queue's device wait
+    under it passes the program's-wait wrapper uncounted."""
+    import types
+
+    from ump._cupy_patch import CupyPatches
+    from ump._release import ReleaseQueue
+
+    stand_in, weighed = _Waits(gpus=1), []
+    hook = stand_in.hook(weighed)
+    hook._declare_synchronize, hook.options = (lambda: None), types.SimpleNamespace(sync="device")
+    patches = CupyPatches(stand_in.cupy, hook)
+    patches.install()
+    patches.wrap_waits()
+    try:
+        hook.release = ReleaseQueue(stand_in.cupy, device_count=1)
+        assert hook._wait(None, None, exporting=(0x1000, 4096)) >= 0
+        assert stand_in.waited == [("device",)] and weighed == [(3, True, (0x1000, 4096))]
+    finally:
+        patches.restore()
+
+
 def test_with_several_gpus_events_and_the_announced_device_wait_are_left_to_cupy():
     """An event names no device, and ``Device(k).synchronize()`` may wait for
     another GPU than the current one: with several GPUs ump leaves both

@@ -441,7 +441,7 @@ class CupyHook:
         was changed."""
         try:
             self.patches.install()
-            if self.placement.mode == "auto" and self.backend.advise_host:
+            if self.placement.mode == "auto" and self.backend.provider == _core.PROVIDER_MANAGED:
                 # NumPy's blocks are managed memory the policy places, by waits.
                 self.patches.wrap_waits()
             self.allocator.install()

@@ -171,10 +171,9 @@ class ReleaseQueue:
                 and not any(list(self._pending.values()))):
             # One GPU, nothing deferred: the wait alone (a solver's scalar
             # read each step comes here). An array deferred meanwhile waits
-            # for the next wait, which only keeps it longer. (Its callers,
-            # the hook's wait and disable(), run it inside OwnWaits or
-            # after CuPy's own waits are back.)
-            runtime.deviceSynchronize()
+            # for the next wait, which only keeps it longer.
+            with OwnWaits():  # counted, if at all, by the caller
+                runtime.deviceSynchronize()
             return
         self._wait([device], current)
 
