@@ -158,11 +158,11 @@ class CupyHook:
     def _wait(self, stream, device, exporting=None) -> float:
         self._declare_synchronize()
         start = time.perf_counter()
-        with OwnWaits():
-            if stream is not None and self.options.sync == "stream":
+        if stream is not None and self.options.sync == "stream":
+            with OwnWaits():
                 stream.synchronize()
-            else:
-                self.release.wait_for(device)
+        else:
+            self.release.wait_for(device)  # its waits are marked OwnWaits there
         ended = time.perf_counter()
         self.placement.on_sync(self.cupy.cuda.runtime.getDevice() if device is None else device,
                                ended - start, exporting, ended)
