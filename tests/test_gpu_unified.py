@@ -428,6 +428,34 @@ def test_placement_auto_weighs_the_programs_own_waits(gpu_caps, wait):
 
 
 @pytest.mark.serial
+def test_reads_after_the_programs_own_wait_on_a_non_blocking_stream_see_every_kernel(gpu_caps):
+    """Kernels on a non-blocking stream over a 256 MiB block the program
+    holds, the program's wait for that stream, then the host reads the NumPy
+    array in place, 20 rounds: the policy weighs each wait and moves the
+    block meanwhile (a prefetch queued after the wait, on the current
+    stream), and every read sees every kernel."""
+    require_backend(gpu_caps, "managed")
+    ump.enable("managed", cap=4 << 30)
+    import cupy
+
+    placement = ump._enable.current().cupy.placement
+    stream = cupy.cuda.Stream(non_blocking=True)
+    a = np.zeros(64 << 20, dtype=np.float32)
+    _, base, size = ump._core.lookup(a.ctypes.data)
+    g = cupy.asarray(a)
+    moved = False
+    for k in range(1, 21):
+        with stream:
+            for _ in range(5):
+                g += 1
+        stream.synchronize()
+        assert a[0] == a[-1] == 5.0 * k and (a[::1024] == 5.0 * k).all(), \
+            f"round {k}: read before the kernels ended"
+        moved = moved or placement.state(base, size).on_gpu == 0
+    assert moved  # the waits were weighed: the block went to the GPU on the way
+
+
+@pytest.mark.serial
 def test_placement_auto_moves_a_matrix_kernels_read_between_the_programs_own_waits(gpu_caps):
     """A solver's shape whose host synchronises each step instead of reading
     a scalar (``cupy.cuda.Device().synchronize()``, as timing loops do):
