@@ -748,10 +748,11 @@ def _range_attribute(ptr: int, size: int, name: str) -> int:
     return value
 
 
-def _results_loop(cupy, n, lives):
+def _results_loop(cupy, n, lives, seen=None):
     """`lives` times: CuPy makes n float32, the host reads all of it. The
     last array, its block (base, size), and whether each life ended with the
-    block host-mapped."""
+    block host-mapped; ``seen`` gets the block's state after each export
+    (the waits the rule decided on, for a failure's message)."""
     placement = ump._enable.current().cupy.placement
     mapped, g = [], None
     for _ in range(lives):
@@ -763,6 +764,8 @@ def _results_loop(cupy, n, lives):
         assert b[n // 3] == float(g[n // 3])
         _, base, size = ump._core.lookup(g.data.ptr)
         mapped.append((base, size) in placement.mapped)
+        if seen is not None:
+            seen.append(repr(placement.results.get((base, size))))
         del b
     return g, (base, size), mapped
 
@@ -786,15 +789,16 @@ def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_ca
     placement = hook.placement
     n = 64 << 20  # 256 MiB of float32
     cupy.random.random(8, dtype=cupy.float32)  # the generator and its kernels, made once
-    g, (base, size), mapped = _results_loop(cupy, n, 6)
+    seen = []
+    g, (base, size), mapped = _results_loop(cupy, n, 6, seen)
     del g
-    assert mapped == [False] + [True] * 5, mapped  # and the faster lives kept it there
+    assert mapped == [False] + [True] * 5, (mapped, seen)  # and the faster lives kept it there
     assert _range_attribute(base, size, "PreferredLocation") == -1  # host, in the driver's view
     assert cupy.cuda.get_allocator() == hook.allocator.watched_malloc
 
     other = cupy.empty(n // 2, dtype=cupy.float32)  # CuPy's pool splits the free block
     assert base <= other.data.ptr < base + size
-    assert not placement.mapped and placement.results[(base, size)].retired
+    assert not placement.mapped and placement.results[(base, size)].retired, placement.results.get((base, size))
     assert _range_attribute(base, size, "PreferredLocation") == -2  # no advice left
     assert _range_attribute(base, size, "LastPrefetchLocation") == 0  # and moved to the GPU
     assert cupy.cuda.get_allocator() == hook.pool.malloc  # the watch is off again
@@ -803,8 +807,9 @@ def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_ca
     assert float(other.sum()) == 3.0 * other.size
 
     # disable() with a block host-mapped: back on the GPU, CuPy's allocator restored
-    keep, (base2, size2), mapped = _results_loop(cupy, n // 2 + (1 << 20), 3)
-    assert mapped[-1] and base2 != base
+    seen = []
+    keep, (base2, size2), mapped = _results_loop(cupy, n // 2 + (1 << 20), 3, seen)
+    assert mapped[-1] and base2 != base, (mapped, hex(base), hex(base2), seen)
     ump.disable()
     assert _range_attribute(base2, size2, "PreferredLocation") == -2
     assert _range_attribute(base2, size2, "LastPrefetchLocation") == 0
