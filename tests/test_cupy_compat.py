@@ -239,27 +239,28 @@ def test_the_programs_waits_are_timed_for_the_placement_and_umps_own_are_not():
     patches.wrap_waits()
     try:
         Stream(1).synchronize()
+        Stream(-1).synchronize()  # CuPy's null stream names device -1: the current one
         cupy.cuda.Event().synchronize()
         cupy.cuda.runtime.deviceSynchronize()
         cupy._core.syncdetect._declare_synchronize()  # Device.synchronize() is about to wait
-        assert stand_in.waited == [("stream", 1), ("event",), ("device",), ("device",)]
-        assert weighed == [(1, True, None), (3, True, None), (3, True, None), (3, True, None)]
+        assert stand_in.waited == [("stream", 1), ("stream", -1), ("event",), ("device",), ("device",)]
+        assert weighed == [(1, True, None)] + [(3, True, None)] * 4
         with OwnWaits():  # ump's own: they wait, uncounted; the announced one is left to CuPy
             Stream(1).synchronize()
             cupy.cuda.runtime.deviceSynchronize()
             cupy._core.syncdetect._declare_synchronize()
-        assert len(stand_in.waited) == 6 and len(weighed) == 4
+        assert len(stand_in.waited) == 7 and len(weighed) == 5
         stand_in.allowed = False  # cupyx.allow_synchronize(False)
         with pytest.raises(RuntimeError, match="DeviceSynchronized"):
             cupy._core.syncdetect._declare_synchronize()
-        assert len(stand_in.waited) == 6
+        assert len(stand_in.waited) == 7
     finally:
         patches.restore()
     assert "synchronize" not in Stream.__dict__ and stand_in.BaseStream.synchronize is stand_in.stream_wait
     assert cupy.cuda.runtime.deviceSynchronize == stand_in.device_synchronize
     assert cupy._core.syncdetect._declare_synchronize == stand_in.declare
     Stream(0).synchronize()
-    assert len(weighed) == 4  # CuPy's own again
+    assert len(weighed) == 5  # CuPy's own again
 
 
 def test_umps_own_wait_reaches_the_placement_once():

@@ -163,26 +163,31 @@ class CupyHook:
                 stream.synchronize()
         else:
             self.release.wait_for(device)  # its waits are marked OwnWaits there
-        ended = time.perf_counter()
-        self.placement.on_sync(self.cupy.cuda.runtime.getDevice() if device is None else device,
-                               ended - start, exporting, ended)
-        return ended - start
+        return self._weigh(start, device, exporting)
 
-    def program_wait(self, wait, device: int = -1):
+    def program_wait(self, wait, device: int | None = None):
         """``wait()``, a wait the program asked CuPy for (a stream's, an
         event's, the device's), timed and weighed by the placement policy
-        as ump's own waits are (``device``: the one waited for, -1 the
-        current one). A program that synchronises before it reads
-        otherwise leaves ump's waits nothing to see."""
+        as ump's own waits are (``device``: the one waited for; None, or -1
+        as CuPy's null stream names it: the current one). A program that
+        synchronises before it reads otherwise leaves ump's waits nothing to
+        see."""
         if waiting_itself():
             return wait()
         start = time.perf_counter()
         result = wait()
-        ended = time.perf_counter()
-        if device < 0:
-            device = self.cupy.cuda.runtime.getDevice()
-        self.placement.on_sync(device, ended - start, None, ended)
+        self._weigh(start, device)
         return result
+
+    def _weigh(self, start: float, device: int | None, exporting=None) -> float:
+        """A wait for ``device`` (None or -1: the current one) that began at
+        ``start`` has just ended: hand its seconds to the placement policy,
+        and return them."""
+        ended = time.perf_counter()
+        if device is None or device < 0:
+            device = self.cupy.cuda.runtime.getDevice()
+        self.placement.on_sync(device, ended - start, exporting, ended)
+        return ended - start
 
     def _refuse_while_capturing(self, stream=None):
         if capturing(self.cupy, stream):
