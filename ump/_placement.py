@@ -71,10 +71,10 @@ typically the host read the block whole and the GPU's next write faulted it
 back. ump then maps the block for the GPU in host memory (advice: preferred
 location host, accessed by the device), as NumPy's blocks are: the GPU
 writes it over the link and the host reads it in place. Every later export
-checks: a wait not under half of the one that started this sends the block
-back to the GPU for good. While a block is host-mapped, ump watches CuPy's
-allocations: CuPy's pool handing its memory to another array, or the same
-array living twice as long as the loop's lives did, puts it back on the GPU
+checks: two waits in a row not under half of the one that started this send
+the block back to the GPU for good. While a block is host-mapped, ump watches
+CuPy's allocations: CuPy's pool handing its memory to another array, or the
+same array living twice as long as the loop's lives did, puts it back on the GPU
 (GPU work on host pages crosses the link on every pass), and so does the
 block's return to the arena. A block exported for the first time is
 prefetched back to its GPU at CuPy's next allocation, unless that
@@ -119,6 +119,10 @@ HOST_FAULTS_SECONDS_PER_BYTE = 0.200 / 2**30
 #: kernel bound by compute loses less, so scaling GPU time by this ratio
 #: overstates what the host-resident block would cost.
 LINK_OVER_HBM = 20
+
+#: Lives in a row whose wait is not under half of the trial's that send a
+#: host-mapped result back to the GPU for good.
+SLOW_LIVES = 2
 
 #: Blocks whose state is kept; past it the table starts over.
 MAX_BLOCKS = 4096
@@ -214,7 +218,8 @@ class ResultState:
     trial_wait: float = 0.0         # host-mapped: the wait that made ump map it so
     reused_at: float | None = None  # host-mapped: when CuPy handed the array out again
     life: float = 0.0               # host-mapped: the last such life, up to its export
-    retired: bool = False           # host-mapped lost once: it stays on the GPU
+    slow: int = 0                   # host-mapped: lives in a row not faster than the trial's
+    retired: bool = False           # host-mapped lost: it stays on the GPU
 
     @property
     def host_mapped(self) -> bool:
@@ -600,9 +605,11 @@ class Placement:
             if state.host_mapped:
                 if state.reused_at is not None:
                     state.life, state.reused_at = self.clock() - state.reused_at, None
-                if 2 * waited >= state.trial_wait:
-                    # Not faster over the link: the kernels on it do more
-                    # than write it once.
+                # Not faster over the link, twice in a row: the kernels on
+                # it do more than write it once (one slow wait alone may be
+                # a stalled host or another process's kernels).
+                state.slow = state.slow + 1 if 2 * waited >= state.trial_wait else 0
+                if state.slow >= SLOW_LIVES:
                     self._to_gpu_for_good(key, state)
             elif (not state.retired and state.last_wait is not None
                   and waited > size * ONE_WAY_SECONDS_PER_BYTE):
@@ -712,7 +719,7 @@ class Placement:
         if self.watch is None or not self.watch(True):
             return  # without the watch a later array in this memory would run over the link
         base, size = key
-        state.device, state.trial_wait, state.reused_at = device, waited, None
+        state.device, state.trial_wait, state.reused_at, state.slow = device, waited, None, 0
         self.mapped[key] = state
         try:
             _core.advise(base, size, _core.ADVICE["preferred_location"], -1)
