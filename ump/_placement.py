@@ -71,16 +71,17 @@ typically the host read the block whole and the GPU's next write faulted it
 back. ump then maps the block for the GPU in host memory (advice: preferred
 location host, accessed by the device), as NumPy's blocks are: the GPU
 writes it over the link and the host reads it in place. Every later export
-checks: two waits in a row not under half of the one that started this send
-the block back to the GPU for good. While a block is host-mapped, ump watches
-CuPy's allocations: CuPy's pool handing its memory to another array, or the
-same array living twice as long as the loop's lives did, puts it back on the GPU
-(GPU work on host pages crosses the link on every pass), and so does the
-block's return to the arena. A block exported for the first time is
-prefetched back to its GPU at CuPy's next allocation, unless that
-allocation reuses it: the host has read it by then, typically, and the
-kernels that come next would fault back every page it read (a prefetch
-before the host's read moves nothing, the pages being on the GPU still).
+checks: two waits not under half of the one that started this, with no
+faster life between them, send the block back to the GPU for good. While a
+block is host-mapped, ump watches CuPy's allocations: CuPy's pool handing
+its memory to another array, or the same array living twice as long as the
+loop's lives did, puts it back on the GPU (GPU work on host pages crosses
+the link on every pass), and so does the block's return to the arena. A
+block exported for the first time is prefetched back to its GPU at CuPy's
+next allocation, unless that allocation reuses it: the host has read it by
+then, typically, and the kernels that come next would fault back every page
+it read (a prefetch before the host's read moves nothing, the pages being on
+the GPU still).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ HOST_FAULTS_SECONDS_PER_BYTE = 0.200 / 2**30
 #: overstates what the host-resident block would cost.
 LINK_OVER_HBM = 20
 
-#: Lives in a row whose wait is not under half of the trial's that send a
-#: host-mapped result back to the GPU for good.
+#: Waits not under half of the trial's, with no faster life between them,
+#: that send a host-mapped result back to the GPU for good.
 SLOW_LIVES = 2
 
 #: Blocks whose state is kept; past it the table starts over.
@@ -218,7 +219,7 @@ class ResultState:
     trial_wait: float = 0.0         # host-mapped: the wait that made ump map it so
     reused_at: float | None = None  # host-mapped: when CuPy handed the array out again
     life: float = 0.0               # host-mapped: the last such life, up to its export
-    slow: int = 0                   # host-mapped: lives in a row not faster than the trial's
+    slow: int = 0                   # host-mapped: waits not under half the trial's since a faster life
     retired: bool = False           # host-mapped lost: it stays on the GPU
 
     @property
@@ -603,12 +604,17 @@ class Placement:
                 if self.watch is not None and self.watch(True):
                     self.returning[key] = device  # read once: back to the GPU for its next kernels
             if state.host_mapped:
-                if state.reused_at is not None:
+                new_life = state.reused_at is not None
+                if new_life:
                     state.life, state.reused_at = self.clock() - state.reused_at, None
-                # Not faster over the link, twice in a row: the kernels on
-                # it do more than write it once (one slow wait alone may be
-                # a stalled host or another process's kernels).
-                state.slow = state.slow + 1 if 2 * waited >= state.trial_wait else 0
+                # Not under half the trial's wait twice, with no faster life
+                # between: the kernels on it do more than write it once (one
+                # slow wait alone may be a stalled host or another process's
+                # kernels). Reading the same array again is no faster life.
+                if 2 * waited >= state.trial_wait:
+                    state.slow += 1
+                elif new_life:
+                    state.slow = 0
                 if state.slow >= SLOW_LIVES:
                     self._to_gpu_for_good(key, state)
             elif (not state.retired and state.last_wait is not None
