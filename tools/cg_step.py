@@ -1,0 +1,91 @@
+"""Time one step of CuPy's conjugate-gradient example by where its matrix lives.
+
+    python tools/cg_step.py stock                 # stock CuPy (no ump)
+    python -m ump run tools/cg_step.py auto       # ump, default placement
+
+The GPU loop of ``examples/cg/cg.py`` (v14.2.0) on a 2000 x 2000 matrix
+made by NumPy, in blocks of 200 steps, three copies of the matrix taking
+turns block by block so that a change in the process's speed reaches all of
+them: ``handed`` (``cupy.asarray`` of NumPy's matrix: under ump, NumPy's
+block itself, which the placement moves to the GPU during the warm-up),
+``pool`` (a copy in the memory of CuPy's current allocator) and ``raw`` (a
+copy in memory from ``cudaMalloc``). Each line gives the median and the
+fastest block, in µs per step, and the same for the matrix-vector product
+alone, timed by events over 200 launches. Alternate configurations process
+by process: the host's speed differs between processes of one configuration
+(docs/performance.md, run 11).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cupy
+import numpy as np
+
+N, STEPS, BLOCKS = 2000, 200, 8
+
+
+def fit(A, b, steps: int):
+    """cg.py's ``fit`` on the GPU, ``steps`` iterations; its scalar read each
+    step (``if norm(r1) < tol``) with a tolerance never met."""
+    x = cupy.zeros_like(b, dtype=np.float64)
+    r0 = b - cupy.dot(A, x)
+    p = r0
+    for _ in range(steps):
+        a = cupy.inner(r0, r0) / cupy.inner(p, cupy.dot(A, p))
+        x += a * p
+        r1 = r0 - a * cupy.dot(A, p)
+        if cupy.linalg.norm(r1) < 1e-300:
+            break
+        beta = cupy.inner(r1, r1) / cupy.inner(r0, r0)
+        p = r1 + beta * p
+        r0 = r1
+    return x
+
+
+def _matrices():
+    rng = np.random.default_rng(0)
+    A = rng.integers(-50, 50, size=(N, N))
+    A = (A @ A.T).astype(np.float64)
+    b = A @ rng.integers(-50, 50, size=N).astype(np.float64)
+    handed = cupy.asarray(A)
+    raw = cupy.ndarray(A.shape, A.dtype,
+                       memptr=cupy.cuda.MemoryPointer(cupy.cuda.memory.Memory(A.nbytes), 0))
+    raw[...] = handed
+    return {"handed": handed, "pool": handed.copy(), "raw": raw}, cupy.asarray(b)
+
+
+def _median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def main(tag: str) -> None:
+    matrices, b = _matrices()
+    fit(matrices["handed"], b, 300)  # warm-up: kernels compiled, the block placed
+    cupy.cuda.runtime.deviceSynchronize()
+    steps = {k: [] for k in matrices}
+    gemv = {k: [] for k in matrices}
+    p = cupy.ones(N)
+    for _ in range(BLOCKS):
+        for name, A in matrices.items():
+            cupy.cuda.runtime.deviceSynchronize()
+            t = time.perf_counter()
+            fit(A, b, STEPS)
+            cupy.cuda.runtime.deviceSynchronize()
+            steps[name].append((time.perf_counter() - t) / STEPS * 1e6)
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            for _ in range(STEPS):
+                A @ p
+            end.record()
+            end.synchronize()
+            gemv[name].append(cupy.cuda.get_elapsed_time(start, end) / STEPS * 1e3)
+    for name in matrices:
+        print(f"{tag:6s} {name:7s} step µs median {_median(steps[name]):.1f} min {min(steps[name]):.1f}"
+              f" | gemv µs median {_median(gemv[name]):.2f} min {min(gemv[name]):.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "")
