@@ -9,17 +9,18 @@ turns block by block so that a change in the process's speed reaches all of
 them: ``handed`` (``cupy.asarray`` of NumPy's matrix: under ump, NumPy's
 block itself, which the placement moves to the GPU during the warm-up),
 ``pool`` (a copy in the memory of CuPy's current allocator) and ``raw`` (a
-copy in memory from ``cudaMalloc``). Each line gives the median and the
-fastest block, in µs per step, and the same for the matrix-vector product
-alone, timed by events over 200 launches. Alternate configurations process
-by process: the host's speed differs between processes of one configuration
-(docs/performance.md, run 11).
+copy in memory from ``cudaMalloc``). Each line gives the median block (of
+eight, the higher middle one) and the fastest, in µs per step, and the same
+for the matrix-vector product alone, timed by events over 200 launches.
+Alternate configurations process by process: the host's speed differs
+between processes of one configuration (docs/performance.md, run 11).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from statistics import median_high
 
 import cupy
 import numpy as np
@@ -57,10 +58,6 @@ def _matrices():
     return {"handed": handed, "pool": handed.copy(), "raw": raw}, cupy.asarray(b)
 
 
-def _median(values):
-    return sorted(values)[len(values) // 2]
-
-
 def main(tag: str) -> None:
     matrices, b = _matrices()
     fit(matrices["handed"], b, 300)  # warm-up: kernels compiled, the block placed
@@ -83,8 +80,8 @@ def main(tag: str) -> None:
             end.synchronize()
             gemv[name].append(cupy.cuda.get_elapsed_time(start, end) / STEPS * 1e3)
     for name in matrices:
-        print(f"{tag:6s} {name:7s} step µs median {_median(steps[name]):.1f} min {min(steps[name]):.1f}"
-              f" | gemv µs median {_median(gemv[name]):.2f} min {min(gemv[name]):.2f}")
+        print(f"{tag:6s} {name:7s} step µs median {median_high(steps[name]):.1f} min {min(steps[name]):.1f}"
+              f" | gemv µs median {median_high(gemv[name]):.2f} min {min(gemv[name]):.2f}")
 
 
 if __name__ == "__main__":
