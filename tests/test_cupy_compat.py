@@ -306,3 +306,93 @@ def test_with_several_gpus_events_and_the_announced_device_wait_are_left_to_cupy
         assert stand_in.waited == [("event",), ("stream", 1)] and weighed == [(1, True, None)]
     finally:
         patches.restore()
+
+
+def _stream_classes():
+    """Stand-ins for CuPy's stream classes: the base class whose ``__init__``
+    every stream object runs, ``Stream`` and its ``from_external``; a
+    handle's flags read as CUDA would, an unknown handle's not at all."""
+    non_blocking = {}  # handle -> made non-blocking
+
+    class BaseStream:
+        def __init__(self, ptr, device_id):
+            self.ptr, self.device_id = ptr, device_id
+
+        @property
+        def is_non_blocking(self):
+            if self.ptr not in non_blocking:
+                raise RuntimeError("cudaErrorInvalidResourceHandle")
+            return non_blocking[self.ptr]
+
+    class Stream(BaseStream):
+        def __init__(self, null=False, non_blocking_=False, ptds=False):
+            ptr = 0 if null else 2 if ptds else 100 + len(non_blocking)
+            if ptr >= 100:
+                non_blocking[ptr] = non_blocking_
+            super().__init__(ptr, -1)
+
+        @classmethod
+        def from_external(cls, ptr):
+            stream = cls.__new__(cls)
+            BaseStream.__init__(stream, ptr, -1)
+            return stream
+
+    return BaseStream, Stream
+
+
+def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work():
+    """A scalar read queues its copy on the legacy default stream before
+    the wait only while no stream it does not follow can have work: the
+    default handles and blocking streams keep that true; a non-blocking
+    stream made before ``enable()`` (found by the scan), one made after
+    (noted by the patched ``__init__``), a foreign handle whose flags cannot
+    be read, and an export to another GPU library end it, for good."""
+    import types
+
+    from ump._cupy_compat import SideStreams
+    from ump._cupy_patch import CupyPatches
+
+    BaseStream, Stream = _stream_classes()
+    runtime = types.SimpleNamespace(streamLegacy=1, streamPerThread=2)
+    ndarray = type("ndarray", (), {name: (lambda self, *a, **k: None) for name in (
+        "get", "__dlpack__", "__dlpack_device__", "toDlpack", "__bool__", "__int__", "__float__",
+        "__complex__", "item")})
+    ndarray.__cuda_array_interface__ = property(lambda self: {})
+    cupy = types.SimpleNamespace(ndarray=ndarray, _core=types.SimpleNamespace(array=None),
+                                 cuda=types.SimpleNamespace(Stream=Stream, runtime=runtime))
+    defaults = [Stream(null=True), Stream(ptds=True), Stream.from_external(1)]
+
+    sides = SideStreams(cupy)
+    assert sides.base is BaseStream
+    blocking = Stream()
+    assert sides.possible() is False  # the defaults and a blocking stream: the legacy stream follows them
+    early = Stream(non_blocking_=True)
+    assert sides.possible() is False  # made while nobody watched, and not looked for again ...
+    sides.rescan()  # ... until the next enable()
+    assert sides.possible() is True
+
+    original = BaseStream.__init__
+    for make in (lambda: Stream(non_blocking_=True), lambda: Stream.from_external(0xdead)):
+        early = None
+        sides = SideStreams(cupy)
+        assert sides.possible() is False
+        patches = CupyPatches(cupy, types.SimpleNamespace(side_streams=sides, array=None))
+        patches.install()
+        patches.note_streams()
+        try:
+            Stream()  # blocking: still followed
+            assert sides.possible() is False
+            kept = make()
+            assert sides.possible() is True
+            del kept
+            sides.rescan()  # work on a stream outlives the stream: the answer stays
+            assert sides.possible() is True
+        finally:
+            patches.restore()
+        assert BaseStream.__init__ is original  # restore() put it back
+
+    sides = SideStreams(cupy)
+    assert sides.possible() is False
+    sides.exported()  # another GPU library took an array: its streams are unseen
+    assert sides.possible() is True
+    assert blocking and defaults

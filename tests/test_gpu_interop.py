@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import ump
+from ump._cupy_hook import LEGACY_STREAM
 
 #: Every backend with a GPU side, the device backend included.
 pytestmark = [pytest.mark.gpu,
@@ -170,6 +171,77 @@ def test_a_scalar_is_the_value_the_kernel_wrote_and_managed_memory_copies_it(gpu
         flags.item()
     with pytest.warns(DeprecationWarning):
         assert bool(cupy.zeros(0)) is False
+
+
+def test_a_scalar_read_queues_its_copy_behind_every_blocking_streams_kernel(gpu_backend, monkeypatch):
+    """While every stream is one the legacy default stream follows (the
+    default ones, blocking streams), a scalar of managed memory is copied
+    on the legacy stream before the wait: one round trip, as stock CuPy's
+    copy on its stream. It still reads what a kernel queued on another
+    blocking stream wrote, and the read from the default stream too."""
+    name, cupy = gpu_backend
+    hook = ump._enable.current().cupy
+    monkeypatch.setattr(hook.side_streams, "seen", False)  # the streams of earlier tests are gone
+    runtime = cupy.cuda.runtime
+    queued = []
+    copy_async = runtime.memcpyAsync
+    monkeypatch.setattr(runtime, "memcpyAsync", lambda *a: queued.append(a[-1]) or copy_async(*a))
+    g = cupy.zeros(N, dtype=cupy.float64)
+    streams = [cupy.cuda.Stream(), cupy.cuda.Stream.null]  # a blocking stream, and the default one
+    for i in range(1, 9):
+        _race(cupy, g, streams[i % 2], float(i))
+        assert float(g[-1]) == i, f"round {i}: read before the kernel finished"
+    assert hook.side_streams.possible() is False
+    capture = cupy.cuda.Stream()
+    with capture:
+        capture.begin_capture()
+        try:
+            with pytest.raises(ump.UmpError, match="capturing"):
+                float(g[-1])
+        finally:
+            capture.end_capture()  # still valid: nothing was queued while it captured
+    if name == "managed":
+        assert queued == [LEGACY_STREAM] * 8  # each copy queued before its wait
+
+
+def test_a_scalar_read_waits_first_once_a_stream_the_legacy_one_does_not_follow_may_have_work(
+        gpu_backend, monkeypatch):
+    """A non-blocking stream made before ``enable()`` (found when the first
+    scalar is read), one wrapped from another library's handle
+    (``Stream.from_external``), and an export to another GPU library each
+    make the scalar read wait for the device before it copies: a copy on
+    the legacy stream would overtake their kernels."""
+    name, cupy = gpu_backend
+    runtime = cupy.cuda.runtime
+    sides = ump._enable.current().cupy.side_streams
+    monkeypatch.setattr(sides, "seen", False)
+    ump.disable()
+    early = cupy.cuda.Stream(non_blocking=True)
+    ump.enable(name, cap=4 << 30)
+    handle = runtime.streamCreateWithFlags(runtime.streamNonBlocking)
+
+    class Foreign:  # another library's stream, as PyTorch's is
+        def __cuda_stream__(self):
+            return (0, handle)
+
+    g = cupy.zeros(N, dtype=cupy.float64)
+
+    def reads_wait_for(stream, first):
+        for value in range(first, first + 4):
+            _race(cupy, g, stream, float(value))
+            assert float(g[-1]) == value, f"{value}: read before the kernel finished"
+        assert sides.possible() is True
+
+    try:
+        reads_wait_for(early, 10)
+        sides.seen = False
+        reads_wait_for(cupy.cuda.Stream.from_external(Foreign()), 20)
+        sides.seen = False
+        assert g.__cuda_array_interface__["data"][0] == g.data.ptr
+        assert sides.possible() is True  # a consumer's own streams are unseen
+    finally:
+        runtime.deviceSynchronize()
+        runtime.streamDestroy(handle)
 
 
 @pytest.mark.parametrize("path", ["cupy.asnumpy", "numpy.asarray"])

@@ -10,6 +10,7 @@ other CuPy ump refuses with a clear error instead of patching blind.
 from __future__ import annotations
 
 import ctypes
+import gc
 import inspect
 import os
 import struct
@@ -19,8 +20,8 @@ import threading
 from ._errors import OutOfMemoryError, UmpError
 
 __all__ = ["import_cupy", "cupy_module", "check_cupy", "Patches", "out_of_memory_error", "set_capsule_device",
-           "sync_declarer", "OwnWaits", "waiting_itself", "capturing", "KDL_CPU", "KDL_CUDA",
-           "KDL_CUDA_MANAGED"]
+           "sync_declarer", "OwnWaits", "waiting_itself", "capturing", "OnePerCupy", "SideStreams", "KDL_CPU",
+           "KDL_CUDA", "KDL_CUDA_MANAGED"]
 
 #: CuPy releases whose internals ump was checked against (major versions).
 SUPPORTED_MAJORS = (13, 14)
@@ -256,6 +257,113 @@ def capturing(cupy, stream=None) -> bool:
     if stream is None:
         stream = cuda.get_current_stream()
     return cuda.runtime.streamIsCapturing(stream if isinstance(stream, int) else stream.ptr)
+
+
+class OnePerCupy:
+    """A class of which the process needs one object per CuPy module:
+    ``cls.shared(cupy)``, made at its first use. Each subclass declares its
+    own ``_shared = {}``."""
+
+    _shared: dict
+
+    @classmethod
+    def shared(cls, cupy):
+        found = cls._shared.get(id(cupy))
+        if found is None:
+            found = cls._shared[id(cupy)] = cls(cupy)
+        return found
+
+
+class SideStreams(OnePerCupy):
+    """Whether this process may have work queued on a stream that CUDA's
+    legacy default stream does not follow.
+
+    The legacy default stream waits for the work queued before on every
+    blocking stream of its device, so a copy queued on it reads what every
+    kernel queued there before it wrote: a scalar read is one round trip to
+    the GPU (the copy queued, then the wait for the device) instead of two.
+    A non-blocking stream is not followed: CuPy's ``Stream(non_blocking=True)``,
+    another library's stream that CuPy wraps (``Stream.from_external``,
+    ``ExternalStream``) unless it reads as blocking, and the streams of any
+    GPU library an array was exported to (``__cuda_array_interface__``,
+    ``__dlpack__``, ``toDlpack``), which ump cannot see. Once one is seen the
+    answer stays yes for the process: work on a stream outlives the stream.
+
+    One per CuPy module (:meth:`shared`). CuPy's streams made while ump is
+    enabled are noted as they are made (``CupyPatches`` wraps the stream
+    base class's ``__init__``); those made before, at the first question
+    after each enable (:meth:`rescan`)."""
+
+    _shared: dict = {}
+
+    def __init__(self, cupy):
+        runtime = cupy.cuda.runtime
+        #: The handles that name a default stream: 0 and the legacy one (the
+        #: legacy stream itself) and the per-thread one (a blocking stream).
+        self.defaults = frozenset({0, getattr(runtime, "streamLegacy", 1), getattr(runtime, "streamPerThread", 2)})
+        #: The stream base class: Stream, ExternalStream and
+        #: Stream.from_external all initialise through its ``__init__``.
+        self.base = stream_base(cupy)
+        self.seen = None  # None: the streams made before have not been looked at
+        # A stream noted while another thread scans must not be overwritten
+        # by the scan's answer: the answer is set under the lock, or only
+        # ever raised to True.
+        self._lock = threading.Lock()
+
+    def possible(self) -> bool:
+        """Whether a stream the legacy default stream does not follow may have work."""
+        seen = self.seen
+        if seen is None:
+            with self._lock:
+                if self.seen is None:
+                    self.seen = self._scan()
+                seen = self.seen
+        return seen
+
+    def note(self, stream) -> None:
+        """A CuPy stream object was just made."""
+        if self.seen is not True and self._unordered(stream):
+            self._set()
+
+    def exported(self) -> None:
+        """An array was handed to another GPU library, which may write it on its own streams."""
+        if self.seen is not True:
+            self._set()
+
+    def rescan(self) -> None:
+        """Look at the streams that exist at the next question (``enable()``:
+        streams may have been made while ump was not watching)."""
+        with self._lock:
+            if not self.seen:
+                self.seen = None
+
+    def _set(self) -> None:
+        with self._lock:
+            self.seen = True
+
+    def _unordered(self, stream) -> bool:
+        if stream.ptr in self.defaults:
+            return False
+        try:
+            return bool(stream.is_non_blocking)
+        except Exception:  # its flags cannot be read (another device's, destroyed): assume the worst
+            return True
+
+    def _scan(self) -> bool:
+        classes, stack = [], [self.base]
+        while stack:
+            cls = stack.pop()
+            classes.append(cls)
+            stack.extend(cls.__subclasses__())
+        # An object of a class defined in Python refers to its class.
+        return any(self._unordered(o) for o in gc.get_referrers(*classes) if isinstance(o, self.base))
+
+
+def stream_base(cupy):
+    """The class whose ``__init__`` every CuPy stream object runs (CuPy's
+    ``_BaseStream``): the most basic class of ``cupy.cuda.Stream`` that
+    defines one."""
+    return next(k for k in reversed(cupy.cuda.Stream.__mro__) if "__init__" in vars(k) and k is not object)
 
 
 _oom_classes: dict = {}

@@ -42,8 +42,8 @@ import numpy
 
 from . import _core
 from ._cupy_alloc import CupyAllocator
-from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, OwnWaits, capturing, out_of_memory_error,
-                           set_capsule_device, sync_declarer, waiting_itself)
+from ._cupy_compat import (KDL_CPU, KDL_CUDA, KDL_CUDA_MANAGED, OwnWaits, SideStreams, capturing,
+                           out_of_memory_error, set_capsule_device, sync_declarer, waiting_itself)
 from ._cupy_patch import CupyPatches
 from ._errors import UmpError
 from ._placement import Placement
@@ -56,6 +56,10 @@ GPU_KINDS = frozenset({"system", "managed", "pinned"})
 
 #: Pinned buffers of hooks uninstalled in a forked child, which must not free them.
 _KEPT_IN_CHILD: list = []
+
+#: cudaStreamLegacy: the legacy default stream by name (handle 0 names it
+#: only in code built without per-thread default streams).
+LEGACY_STREAM = 1
 
 #: Bytes of a pinned buffer a scalar conversion copies its element into
 #: (complex128 and small structured elements; wider ones use pageable memory).
@@ -123,6 +127,7 @@ class CupyHook:
         self.backend = backend
         self.options = options
         self.release = ReleaseQueue.shared(cupy)
+        self.side_streams = SideStreams.shared(cupy)  # whether a scalar's copy may be queued before the wait
         self.out_of_memory = out_of_memory_error(cupy)
         self._declare_synchronize = sync_declarer(cupy)  # read once: every export calls it
         self.allocator = CupyAllocator(cupy, backend, arena, self.device, self.release, self.out_of_memory,
@@ -157,6 +162,9 @@ class CupyHook:
 
     def _wait(self, stream, device, exporting=None) -> float:
         self._declare_synchronize()
+        return self._timed_wait(stream, device, exporting)
+
+    def _timed_wait(self, stream, device, exporting=None) -> float:
         start = time.perf_counter()
         if stream is not None and self.options.sync == "stream":
             with OwnWaits():
@@ -201,6 +209,7 @@ class CupyHook:
         DLPack passes it) captures a graph (False). Then nothing has run,
         and stream order alone must do: CuPy's own export orders the
         consumer's stream after its current one, or names it."""
+        self.side_streams.exported()  # the consumer may write it on a stream of its own
         if capturing(self.cupy) or (isinstance(consumer_stream, int) and consumer_stream > 0
                                     and capturing(self.cupy, consumer_stream)):
             return False
@@ -335,8 +344,8 @@ class CupyHook:
         memory (CuPy's own conversion, through :meth:`get`, serves it).
 
         A solver reads one each step (``if norm(r) < tol``), so this path
-        is kept to the calls it needs: one lookup, the wait, one copy into
-        pinned memory (a copy out of managed memory costs ~5 µs more than
+        is kept to the calls it needs: one lookup, one copy into pinned
+        memory, the wait (a copy out of managed memory costs ~5 µs more than
         out of device memory whatever the API; into pageable memory 2.3–2.8
         µs more again: docs/performance.md)."""
         if g.size != 1:
@@ -346,9 +355,9 @@ class CupyHook:
         kind, base, size, _ = _core.lookup_owner(ptr)  # _block_of's test, for one element
         if kind != "managed" or ptr + itemsize > base + size:
             return None
-        self.synchronize(None, data.device_id)
-        runtime = self.cupy.cuda.runtime
         if itemsize > _ELEMENT_BYTES:  # a wide structured element: pageable memory, as stock CuPy's copy
+            self.synchronize(None, data.device_id)
+            runtime = self.cupy.cuda.runtime
             host = ctypes.create_string_buffer(itemsize)
             runtime.memcpy(ctypes.addressof(host), ptr, itemsize, runtime.memcpyDeviceToHost)
             return numpy.frombuffer(host, dtype, 1).reshape(g.shape)
@@ -358,12 +367,31 @@ class CupyHook:
         except IndexError:
             host = self._element_buffer()
         try:
-            runtime.memcpy(host.ptr, ptr, itemsize, runtime.memcpyDeviceToHost)
+            self._copy_element(host.ptr, ptr, itemsize, data.device_id)
             # g's own shape: NumPy's conversions then raise where they would
             # for get()'s array (int() of a 1-d array, NumPy >= 2.5).
             return numpy.frombuffer(host, dtype, 1).reshape(g.shape).copy()
         finally:
             free.append(host)  # list.pop/append: each thread that reads at once has its own
+
+    def _copy_element(self, host: int, ptr: int, itemsize: int, device: int) -> None:
+        """Copy ``itemsize`` bytes at ``ptr`` on ``device`` into pinned
+        ``host`` once all the GPU work queued before has finished.
+
+        With one GPU and no stream the legacy default stream does not follow
+        (:class:`~ump._cupy_compat.SideStreams`), the copy is queued on that
+        stream first, behind every kernel queued before, and the device-wide
+        wait then covers it: one round trip to the GPU, as stock CuPy's own
+        copy on its stream. Otherwise the wait comes first, then the copy."""
+        runtime = self.cupy.cuda.runtime
+        if self.release.one_gpu() and not self.side_streams.possible():
+            self._declare_synchronize()
+            self._refuse_while_capturing(None)  # before the copy: queued while capturing it breaks the capture
+            runtime.memcpyAsync(host, ptr, itemsize, runtime.memcpyDeviceToHost, LEGACY_STREAM)
+            self._timed_wait(None, device)
+            return
+        self.synchronize(None, device)
+        runtime.memcpy(host, ptr, itemsize, runtime.memcpyDeviceToHost)
 
     def _element_buffer(self):
         cuda = self.cupy.cuda
@@ -445,7 +473,9 @@ class CupyHook:
         """Patch CuPy and set its allocator; on any failure put back what
         was changed."""
         try:
+            self.side_streams.rescan()  # streams made while ump was not enabled
             self.patches.install()
+            self.patches.note_streams()
             if self.placement.mode == "auto" and self.backend.provider == _core.PROVIDER_MANAGED:
                 # NumPy's blocks are managed memory the policy places, by waits.
                 self.patches.wrap_waits()

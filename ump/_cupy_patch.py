@@ -6,7 +6,8 @@
 ``toDlpack``, (Python >= 3.12) ``__buffer__``, and the conversions to a
 Python scalar (``__bool__``, ``__int__``, ``__float__``, ``__complex__``,
 ``item``): each replacement calls the hook's conversion (ump/_cupy_hook.py),
-which calls CuPy's original where ump has nothing to add. Where the
+which calls CuPy's original where ump has nothing to add. The streams CuPy
+makes are noted (``note_streams``: whether one is non-blocking). Where the
 placement policy weighs waits (backend ``managed``, placement ``auto``), the
 program's own waits too (``wrap_waits``): a stream's ``synchronize``,
 ``cupy.cuda.runtime.deviceSynchronize`` and, with one GPU, an event's
@@ -54,6 +55,21 @@ class CupyPatches:
         patches.set(cupy._core, "array", self.hook.array)
         for name, value in methods.items():
             patches.set(nd, name, value)
+
+    def note_streams(self) -> None:
+        """After :meth:`install`: tell the hook's ``side_streams`` of each
+        stream object CuPy makes (``Stream``, ``ExternalStream`` and
+        ``Stream.from_external`` all run the base class's ``__init__``);
+        :meth:`restore` undoes this too."""
+        hook, base = self.hook, self.hook.side_streams.base
+        init = base.__init__
+
+        @functools.wraps(init)
+        def stream_init(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            hook.side_streams.note(self)
+
+        self._patches.set(base, "__init__", stream_init)
 
     def wrap_waits(self) -> None:
         """After :meth:`install`: time the waits the program asks CuPy for

@@ -10,7 +10,7 @@ import threading
 
 import numpy
 
-from ._cupy_compat import OwnWaits, capturing
+from ._cupy_compat import OnePerCupy, OwnWaits, capturing
 
 __all__ = ["ReleaseQueue", "Lease"]
 
@@ -45,7 +45,7 @@ def _queue_refs() -> int:
 _QUEUE_REFS = _queue_refs()
 
 
-class ReleaseQueue:
+class ReleaseQueue(OnePerCupy):
     """NumPy arrays that CuPy views let go of, each kept until the device it
     was used on has been waited for as a whole.
 
@@ -70,13 +70,6 @@ class ReleaseQueue:
     RECOUNT_EVERY = 64
 
     _shared: dict = {}
-
-    @classmethod
-    def shared(cls, cupy) -> "ReleaseQueue":
-        queue = cls._shared.get(id(cupy))
-        if queue is None:
-            queue = cls._shared[id(cupy)] = cls(cupy)
-        return queue
 
     def __init__(self, cupy, *, device_count: int | None = None, active_devices=None):
         self.cupy = cupy
@@ -188,6 +181,10 @@ class ReleaseQueue:
             pending = [d for d, q in self._pending.items() if q]
         if pending:
             self._wait(pending, self.cupy.cuda.runtime.getDevice())
+
+    def one_gpu(self) -> bool:
+        """Whether the process sees one GPU: a wait for it waits for all its work."""
+        return self._gpus() == 1
 
     def _gpus(self) -> int:
         """The process's device count, read at the first wait."""
