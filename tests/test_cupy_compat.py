@@ -312,7 +312,7 @@ def _stream_classes():
     """Stand-ins for CuPy's stream classes: the base class whose ``__init__``
     every stream object runs, ``Stream`` and its ``from_external``; a
     handle's flags read as CUDA would, an unknown handle's not at all."""
-    non_blocking = {}  # handle -> made non-blocking
+    flags = {}  # handle -> made non-blocking
 
     class BaseStream:
         def __init__(self, ptr, device_id):
@@ -320,15 +320,15 @@ def _stream_classes():
 
         @property
         def is_non_blocking(self):
-            if self.ptr not in non_blocking:
+            if self.ptr not in flags:
                 raise RuntimeError("cudaErrorInvalidResourceHandle")
-            return non_blocking[self.ptr]
+            return flags[self.ptr]
 
     class Stream(BaseStream):
-        def __init__(self, null=False, non_blocking_=False, ptds=False):
-            ptr = 0 if null else 2 if ptds else 100 + len(non_blocking)
+        def __init__(self, null=False, non_blocking=False, ptds=False):
+            ptr = 0 if null else 2 if ptds else 100 + len(flags)
             if ptr >= 100:
-                non_blocking[ptr] = non_blocking_
+                flags[ptr] = non_blocking
             super().__init__(ptr, -1)
 
         @classmethod
@@ -342,11 +342,14 @@ def _stream_classes():
 
 def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work():
     """A scalar read queues its copy on the legacy default stream before
-    the wait only while no stream it does not follow can have work: the
-    default handles and blocking streams keep that true; a non-blocking
-    stream made before ``enable()`` (found by the scan), one made after
-    (noted by the patched ``__init__``), a foreign handle whose flags cannot
-    be read, and an export to another GPU library end it, for good."""
+    the wait only while no stream it does not follow can have work. The
+    first question after ``enable()`` answers yes (that read waits first,
+    finishing what was queued unwatched); after it the default handles and
+    blocking streams keep the answer no, and a non-blocking stream made
+    before ``enable()`` (found by the scan), one made after (noted by the
+    patched ``__init__``), a foreign handle whose flags cannot be read and
+    an export to another GPU library make it yes, for good. A stream object
+    with no handle yet (``__new__`` alone) is no work."""
     import types
 
     from ump._cupy_compat import SideStreams
@@ -360,39 +363,45 @@ def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work()
     ndarray.__cuda_array_interface__ = property(lambda self: {})
     cupy = types.SimpleNamespace(ndarray=ndarray, _core=types.SimpleNamespace(array=None),
                                  cuda=types.SimpleNamespace(Stream=Stream, runtime=runtime))
-    defaults = [Stream(null=True), Stream(ptds=True), Stream.from_external(1)]
+    # held for the whole test, so that the scans find them alive
+    defaults = [Stream(null=True), Stream(ptds=True), Stream.from_external(1), Stream.__new__(Stream)]
+    blocking = Stream()
 
     sides = SideStreams(cupy)
-    assert sides.base is BaseStream
-    blocking = Stream()
-    assert sides.possible() is False  # the defaults and a blocking stream: the legacy stream follows them
-    early = Stream(non_blocking_=True)
-    assert sides.possible() is False  # made while nobody watched, and not looked for again ...
-    sides.rescan()  # ... until the next enable()
-    assert sides.possible() is True
+    assert sides.base is BaseStream and sides.legacy == 1
+    assert sides.unordered_work_possible() is True  # the first question: wait for the unwatched
+    assert sides.unordered_work_possible() is False  # the defaults and a blocking stream are followed
+    early = Stream(non_blocking=True)
+    assert sides.unordered_work_possible() is False  # made while nobody watched ...
+    sides.rescan()  # ... and found at the next enable()
+    assert sides.unordered_work_possible() is True and sides.unordered_work_possible() is True
 
     original = BaseStream.__init__
-    for make in (lambda: Stream(non_blocking_=True), lambda: Stream.from_external(0xdead)):
-        early = None
+    for make in (lambda: Stream(non_blocking=True), lambda: Stream.from_external(0xdead)):
+        del early
+        early = None  # the earlier round's non-blocking stream is gone
         sides = SideStreams(cupy)
-        assert sides.possible() is False
+        sides.unordered_work_possible()
+        assert sides.unordered_work_possible() is False
         patches = CupyPatches(cupy, types.SimpleNamespace(side_streams=sides, array=None))
         patches.install()
         patches.note_streams()
         try:
             Stream()  # blocking: still followed
-            assert sides.possible() is False
+            assert sides.unordered_work_possible() is False
             kept = make()
-            assert sides.possible() is True
+            assert sides.unordered_work_possible() is True
             del kept
             sides.rescan()  # work on a stream outlives the stream: the answer stays
-            assert sides.possible() is True
+            sides.unordered_work_possible()
+            assert sides.unordered_work_possible() is True
         finally:
             patches.restore()
         assert BaseStream.__init__ is original  # restore() put it back
 
     sides = SideStreams(cupy)
-    assert sides.possible() is False
+    sides.unordered_work_possible()
+    assert sides.unordered_work_possible() is False
     sides.exported()  # another GPU library took an array: its streams are unseen
-    assert sides.possible() is True
+    assert sides.unordered_work_possible() is True
     assert blocking and defaults

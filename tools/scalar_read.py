@@ -10,8 +10,9 @@ loop without the read, so what the read adds behind its kernels. Under ump
 the read is timed twice: while every stream is one CUDA's legacy default
 stream follows (the copy queued before the wait), then after the program
 made a non-blocking stream (the wait, then the copy: docs/guide.md,
-"Coherence"). Five blocks of each phase, the two kinds of read taking
-turns; each line gives the median block and the fastest, in µs a read. Alternate configurations
+"Coherence"): the first phase first, since the stream switches the
+process for good. Five blocks a phase, the two kinds of read taking turns;
+each line gives the median block and the fastest, in µs a read. Alternate configurations
 process by process (docs/performance.md, run 11).
 """
 

@@ -261,10 +261,13 @@ def capturing(cupy, stream=None) -> bool:
 
 class OnePerCupy:
     """A class of which the process needs one object per CuPy module:
-    ``cls.shared(cupy)``, made at its first use. Each subclass declares its
-    own ``_shared = {}``."""
+    ``cls.shared(cupy)``, made at its first use."""
 
     _shared: dict
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._shared = {}  # id(cupy) -> the object, each subclass its own
 
     @classmethod
     def shared(cls, cupy):
@@ -279,71 +282,77 @@ class SideStreams(OnePerCupy):
     legacy default stream does not follow.
 
     The legacy default stream waits for the work queued before on every
-    blocking stream of its device, so a copy queued on it reads what every
-    kernel queued there before it wrote: a scalar read is one round trip to
-    the GPU (the copy queued, then the wait for the device) instead of two.
-    A non-blocking stream is not followed: CuPy's ``Stream(non_blocking=True)``,
-    another library's stream that CuPy wraps (``Stream.from_external``,
-    ``ExternalStream``) unless it reads as blocking, and the streams of any
-    GPU library an array was exported to (``__cuda_array_interface__``,
-    ``__dlpack__``, ``toDlpack``), which ump cannot see. Once one is seen the
-    answer stays yes for the process: work on a stream outlives the stream.
+    blocking stream of its device, whichever thread queued it, so a copy
+    queued on it reads what every kernel queued there before it wrote: a
+    scalar read is one round trip to the GPU (the copy queued, then the wait
+    for the device) instead of two. A non-blocking stream is not followed:
+    CuPy's ``Stream(non_blocking=True)``, another library's stream that CuPy
+    wraps (``Stream.from_external``, ``ExternalStream``) unless it reads as
+    blocking, and the streams of any GPU library an array was exported to
+    (``__cuda_array_interface__``, ``__dlpack__``, ``toDlpack``), which ump
+    cannot see. Once one is seen the answer stays yes for the process: work
+    on a stream outlives the stream.
 
-    One per CuPy module (:meth:`shared`). CuPy's streams made while ump is
-    enabled are noted as they are made (``CupyPatches`` wraps the stream
-    base class's ``__init__``); those made before, at the first question
-    after each enable (:meth:`rescan`)."""
-
-    _shared: dict = {}
+    CuPy's streams made while ump is enabled are noted as they are made
+    (``CupyPatches.note_streams``). At the first question after each
+    ``enable()`` (:meth:`rescan`) the answer is yes, so that read waits for
+    the device first and finishes whatever was queued while ump was not
+    watching (on a stream since dropped, too); the streams alive then are
+    looked at for the questions after it."""
 
     def __init__(self, cupy):
         runtime = cupy.cuda.runtime
+        #: cudaStreamLegacy: the legacy default stream by name (handle 0
+        #: names it only in code built without per-thread default streams).
+        self.legacy = runtime.streamLegacy
         #: The handles that name a default stream: 0 and the legacy one (the
         #: legacy stream itself) and the per-thread one (a blocking stream).
-        self.defaults = frozenset({0, getattr(runtime, "streamLegacy", 1), getattr(runtime, "streamPerThread", 2)})
+        self.defaults = frozenset({0, runtime.streamLegacy, runtime.streamPerThread})
         #: The stream base class: Stream, ExternalStream and
         #: Stream.from_external all initialise through its ``__init__``.
         self.base = stream_base(cupy)
-        self.seen = None  # None: the streams made before have not been looked at
+        self.seen = None  # None: not asked since the last enable()
         # A stream noted while another thread scans must not be overwritten
         # by the scan's answer: the answer is set under the lock, or only
-        # ever raised to True.
-        self._lock = threading.Lock()
+        # ever raised to True. Reentrant: a collection during the scan can
+        # run a finaliser that makes a stream.
+        self._lock = threading.RLock()
 
-    def possible(self) -> bool:
-        """Whether a stream the legacy default stream does not follow may have work."""
+    def unordered_work_possible(self) -> bool:
+        """Whether work may be queued on a stream the legacy default stream does not follow."""
         seen = self.seen
         if seen is None:
             with self._lock:
                 if self.seen is None:
                     self.seen = self._scan()
+                    return True  # the first question since enable(): wait for what was not watched
                 seen = self.seen
         return seen
 
     def note(self, stream) -> None:
         """A CuPy stream object was just made."""
         if self.seen is not True and self._unordered(stream):
-            self._set()
+            self._mark_unordered()
 
     def exported(self) -> None:
         """An array was handed to another GPU library, which may write it on its own streams."""
         if self.seen is not True:
-            self._set()
+            self._mark_unordered()
 
     def rescan(self) -> None:
-        """Look at the streams that exist at the next question (``enable()``:
-        streams may have been made while ump was not watching)."""
+        """``enable()``: the next question waits, then looks at the streams alive."""
         with self._lock:
             if not self.seen:
                 self.seen = None
 
-    def _set(self) -> None:
+    def _mark_unordered(self) -> None:
         with self._lock:
             self.seen = True
 
     def _unordered(self, stream) -> bool:
-        if stream.ptr in self.defaults:
-            return False
+        ptr = getattr(stream, "ptr", None)
+        if ptr is None or ptr in self.defaults:
+            return False  # no handle yet (made by __new__, its __init__ not run or failed): no work
         try:
             return bool(stream.is_non_blocking)
         except Exception:  # its flags cannot be read (another device's, destroyed): assume the worst

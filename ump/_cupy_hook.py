@@ -19,7 +19,9 @@ default) or for the stream the caller names (``sync="stream"``):
   device memory after it.
 - CuPy -> a Python scalar: ``bool()``, ``int()``, ``float()``,
   ``complex()`` and ``item()`` of a one-element array in managed memory
-  copy the element after the wait. Nothing can alias a Python scalar, and a
+  copy the element, behind all the work queued before it: queued on the
+  legacy default stream before the wait where that stream follows every
+  stream that can have work (``SideStreams``), else after the wait. Nothing can alias a Python scalar, and a
   host read in place would fault the element's page over to the host, and
   the next kernel writing near it would fault the page back: a solver's
   residual check each step (``if norm(r) < tol``) paid both.
@@ -56,10 +58,6 @@ GPU_KINDS = frozenset({"system", "managed", "pinned"})
 
 #: Pinned buffers of hooks uninstalled in a forked child, which must not free them.
 _KEPT_IN_CHILD: list = []
-
-#: cudaStreamLegacy: the legacy default stream by name (handle 0 names it
-#: only in code built without per-thread default streams).
-LEGACY_STREAM = 1
 
 #: Bytes of a pinned buffer a scalar conversion copies its element into
 #: (complex128 and small structured elements; wider ones use pageable memory).
@@ -339,8 +337,8 @@ class CupyHook:
         return view if same else view.view(g.dtype)
 
     def scalar(self, g):
-        """The one element of ``g``, copied to the host after the wait, as a
-        NumPy array of ``g``'s shape; None where ``g`` is not one element of managed
+        """The one element of ``g``, copied to the host once the work queued
+        before has finished, as a NumPy array of ``g``'s shape; None where ``g`` is not one element of managed
         memory (CuPy's own conversion, through :meth:`get`, serves it).
 
         A solver reads one each step (``if norm(r) < tol``), so this path
@@ -383,11 +381,16 @@ class CupyHook:
         stream first, behind every kernel queued before, and the device-wide
         wait then covers it: one round trip to the GPU, as stock CuPy's own
         copy on its stream. Otherwise the wait comes first, then the copy."""
-        runtime = self.cupy.cuda.runtime
-        if self.release.one_gpu() and not self.side_streams.possible():
+        runtime, streams = self.cupy.cuda.runtime, self.side_streams
+        if self.release.one_gpu() and not streams.unordered_work_possible():
+            # Refused before the copy, as synchronize() refuses before its
+            # wait: queued on the legacy stream while the current stream
+            # captures, the copy would break the capture. A capture on a
+            # blocking stream the thread is not using breaks here, as it does
+            # at the device-wide wait either way.
+            self._refuse_while_capturing(None)
             self._declare_synchronize()
-            self._refuse_while_capturing(None)  # before the copy: queued while capturing it breaks the capture
-            runtime.memcpyAsync(host, ptr, itemsize, runtime.memcpyDeviceToHost, LEGACY_STREAM)
+            runtime.memcpyAsync(host, ptr, itemsize, runtime.memcpyDeviceToHost, streams.legacy)
             self._timed_wait(None, device)
             return
         self.synchronize(None, device)
@@ -473,9 +476,9 @@ class CupyHook:
         """Patch CuPy and set its allocator; on any failure put back what
         was changed."""
         try:
-            self.side_streams.rescan()  # streams made while ump was not enabled
             self.patches.install()
             self.patches.note_streams()
+            self.side_streams.rescan()  # after note_streams(): no stream made in between goes unseen
             if self.placement.mode == "auto" and self.backend.provider == _core.PROVIDER_MANAGED:
                 # NumPy's blocks are managed memory the policy places, by waits.
                 self.patches.wrap_waits()

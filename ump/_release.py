@@ -69,8 +69,6 @@ class ReleaseQueue(OnePerCupy):
     #: no new array came: a count walks every array held.
     RECOUNT_EVERY = 64
 
-    _shared: dict = {}
-
     def __init__(self, cupy, *, device_count: int | None = None, active_devices=None):
         self.cupy = cupy
         self._device_count = device_count  # read at the first wait when None
