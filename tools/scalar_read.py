@@ -12,8 +12,8 @@ stream follows (the copy queued before the wait), then after the program
 made a non-blocking stream (the wait, then the copy: docs/guide.md,
 "Coherence"): the first phase first, since the stream switches the
 process for good. Five blocks a phase, the two kinds of read taking turns;
-each line gives the median block and the fastest, in µs a read. Alternate configurations
-process by process (docs/performance.md, run 11).
+each line gives the median block and the fastest, in µs a read. Alternate
+configurations process by process (docs/performance.md, run 11).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ default) or for the stream the caller names (``sync="stream"``):
   ``complex()`` and ``item()`` of a one-element array in managed memory
   copy the element, behind all the work queued before it: queued on the
   legacy default stream before the wait where that stream follows every
-  stream that can have work (``SideStreams``), else after the wait. Nothing can alias a Python scalar, and a
-  host read in place would fault the element's page over to the host, and
+  stream that can have work (``SideStreams``), else after the wait.
+  Nothing can alias a Python scalar, and a host read in place would fault the element's page over to the host, and
   the next kernel writing near it would fault the page back: a solver's
   residual check each step (``if norm(r) < tol``) paid both.
 - CuPy -> GPU libraries: ``__cuda_array_interface__``, ``__dlpack__`` with a
@@ -338,8 +338,9 @@ class CupyHook:
 
     def scalar(self, g):
         """The one element of ``g``, copied to the host once the work queued
-        before has finished, as a NumPy array of ``g``'s shape; None where ``g`` is not one element of managed
-        memory (CuPy's own conversion, through :meth:`get`, serves it).
+        before has finished, as a NumPy array of ``g``'s shape; None where
+        ``g`` is not one element of managed memory (CuPy's own conversion,
+        through :meth:`get`, serves it).
 
         A solver reads one each step (``if norm(r) < tol``), so this path
         is kept to the calls it needs: one lookup, one copy into pinned

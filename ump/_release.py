@@ -158,7 +158,7 @@ class ReleaseQueue(OnePerCupy):
         current = runtime.getDevice()
         if device is None:
             device = current
-        if (self._gpus() == 1 and device == current and not self._inbox
+        if (self.one_gpu() and device == current and not self._inbox
                 and not any(list(self._pending.values()))):
             # One GPU, nothing deferred: the wait alone (a solver's scalar
             # read each step comes here). An array deferred meanwhile waits
@@ -193,7 +193,7 @@ class ReleaseQueue(OnePerCupy):
     def _wait(self, devices: list[int], current: int) -> None:
         cuda = self.cupy.cuda
         mark = self.mark()
-        if self._gpus() > 1:
+        if not self.one_gpu():
             # A kernel or copy on one GPU writes another's memory through
             # peer access (CuPy runs a cross-device copy on the current
             # device): the memory's own device may have nothing queued.
