@@ -355,10 +355,8 @@ class CupyHook:
         if kind != "managed" or ptr + itemsize > base + size:
             return None
         if itemsize > _ELEMENT_BYTES:  # a wide structured element: pageable memory, as stock CuPy's copy
-            self.synchronize(None, data.device_id)
-            runtime = self.cupy.cuda.runtime
             host = ctypes.create_string_buffer(itemsize)
-            runtime.memcpy(ctypes.addressof(host), ptr, itemsize, runtime.memcpyDeviceToHost)
+            self._copy_element(ctypes.addressof(host), ptr, itemsize, data.device_id)
             return numpy.frombuffer(host, dtype, 1).reshape(g.shape)
         free = self._element_buffers
         try:
@@ -374,14 +372,16 @@ class CupyHook:
             free.append(host)  # list.pop/append: each thread that reads at once has its own
 
     def _copy_element(self, host: int, ptr: int, itemsize: int, device: int) -> None:
-        """Copy ``itemsize`` bytes at ``ptr`` on ``device`` into pinned
-        ``host`` once all the GPU work queued before has finished.
+        """Copy ``itemsize`` bytes at ``ptr`` on ``device`` into ``host``
+        once all the GPU work queued before has finished.
 
         With one GPU and no stream the legacy default stream does not follow
         (:class:`~ump._cupy_compat.SideStreams`), the copy is queued on that
         stream first, behind every kernel queued before, and the device-wide
         wait then covers it: one round trip to the GPU, as stock CuPy's own
-        copy on its stream. Otherwise the wait comes first, then the copy."""
+        copy on its stream. Otherwise the wait comes first, then the copy.
+        Into pageable ``host`` (a wide element) the queued copy returns only
+        once it is done, so the wait after it finds the GPU idle."""
         runtime, streams = self.cupy.cuda.runtime, self.side_streams
         if self.release.one_gpu() and not streams.unordered_work_possible():
             # Refused before the copy, as synchronize() refuses before its
