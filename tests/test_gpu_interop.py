@@ -191,8 +191,9 @@ def test_a_scalar_read_queues_its_copy_behind_every_blocking_streams_kernel(gpu_
         _race(cupy, g, streams[i % 2], float(i))
         assert float(g[-1]) == i, f"round {i}: read before the kernel finished"
     wide = cupy.ndarray((1,), ",".join(["f8"] * 9), g.data)  # g's first 72 bytes: copied into pageable memory
-    _race(cupy, g, streams[0], 9.0)
-    assert wide[0].item() == (9.0,) * 9, "a wide element read before the kernel finished"
+    for value in (9.0, 10.0, 11.0):
+        _race(cupy, g, streams[0], value)
+        assert wide[0].item() == (value,) * 9, f"{value}: a wide element read before the kernel finished"
     assert hook.side_streams.unordered_work_possible() is False
     capture = cupy.cuda.Stream()
     with capture:
@@ -203,7 +204,7 @@ def test_a_scalar_read_queues_its_copy_behind_every_blocking_streams_kernel(gpu_
         finally:
             capture.end_capture()  # still valid: nothing was queued while it captured
     if name == "managed" and hook.release.one_gpu():  # several GPUs: the wait comes first
-        assert queued == [hook.side_streams.legacy] * 9  # each copy queued before its wait
+        assert queued == [hook.side_streams.legacy] * 11  # each copy queued before its wait
 
 
 def test_a_scalar_read_waits_first_once_a_stream_the_legacy_one_does_not_follow_may_have_work(

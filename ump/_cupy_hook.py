@@ -22,9 +22,10 @@ default) or for the stream the caller names (``sync="stream"``):
   copy the element, behind all the work queued before it: queued on the
   legacy default stream before the wait where that stream follows every
   stream that can have work (``SideStreams``), else after the wait.
-  Nothing can alias a Python scalar, and a host read in place would fault the element's page over to the host, and
-  the next kernel writing near it would fault the page back: a solver's
-  residual check each step (``if norm(r) < tol``) paid both.
+  Nothing can alias a Python scalar, and a host read in place would fault
+  the element's page over to the host, and the next kernel writing near it
+  would fault the page back: a solver's residual check each step
+  (``if norm(r) < tol``) paid both.
 - CuPy -> GPU libraries: ``__cuda_array_interface__``, ``__dlpack__`` with a
   stream, ``toDlpack`` wait likewise, then export as CuPy does, except that
   managed memory is reported as ``kDLCUDA`` (PyTorch and JAX refuse
@@ -162,8 +163,10 @@ class CupyHook:
         self._declare_synchronize()
         return self._timed_wait(stream, device, exporting)
 
-    def _timed_wait(self, stream, device, exporting=None) -> float:
-        start = time.perf_counter()
+    def _timed_wait(self, stream, device, exporting=None, start=None) -> float:
+        """The wait itself, weighed from ``start`` (default: now)."""
+        if start is None:
+            start = time.perf_counter()
         if stream is not None and self.options.sync == "stream":
             with OwnWaits():
                 stream.synchronize()
@@ -381,7 +384,7 @@ class CupyHook:
         wait then covers it: one round trip to the GPU, as stock CuPy's own
         copy on its stream. Otherwise the wait comes first, then the copy.
         Into pageable ``host`` (a wide element) the queued copy returns only
-        once it is done, so the wait after it finds the GPU idle."""
+        once it is done, so the wait is weighed from before the copy."""
         runtime, streams = self.cupy.cuda.runtime, self.side_streams
         if self.release.one_gpu() and not streams.unordered_work_possible():
             # Refused before the copy, as synchronize() refuses before its
@@ -391,8 +394,9 @@ class CupyHook:
             # at the device-wide wait either way.
             self._refuse_while_capturing(None)
             self._declare_synchronize()
+            start = time.perf_counter()
             runtime.memcpyAsync(host, ptr, itemsize, runtime.memcpyDeviceToHost, streams.legacy)
-            self._timed_wait(None, device)
+            self._timed_wait(None, device, start=start)
             return
         self.synchronize(None, device)
         runtime.memcpy(host, ptr, itemsize, runtime.memcpyDeviceToHost)
