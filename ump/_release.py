@@ -181,14 +181,11 @@ class ReleaseQueue(OnePerCupy):
             self._wait(pending, self.cupy.cuda.runtime.getDevice())
 
     def one_gpu(self) -> bool:
-        """Whether the process sees one GPU: a wait for it waits for all its work."""
-        return self._gpus() == 1
-
-    def _gpus(self) -> int:
-        """The process's device count, read at the first wait."""
+        """Whether the process sees one GPU (its device count, read at the
+        first wait): a wait for it waits for all its work."""
         if self._device_count is None:
             self._device_count = self.cupy.cuda.runtime.getDeviceCount()
-        return self._device_count
+        return self._device_count == 1
 
     def _wait(self, devices: list[int], current: int) -> None:
         cuda = self.cupy.cuda
