@@ -140,12 +140,14 @@ class CupyHook:
         self._element_buffers = []  # pinned buffers scalar() copies an element into
 
     # --- waiting for the GPU -------------------------------------------------
-    def synchronize(self, stream=None, device=None, exporting=None) -> float:
+    def synchronize(self, stream=None, device=None, exporting=None, before=None) -> float:
         """Wait for what a reader must not overtake: the device's work (or
         ``stream``'s with ``sync="stream"``); after a device-wide wait,
         release NumPy memory that CuPy views used on that device. Returns
         the seconds waited, which the placement policy weighs
-        (``exporting``: the block being exported, which its export decides).
+        (``exporting``: the block being exported, which its export decides;
+        ``before``: a call that queues work the wait then covers, weighed
+        with the wait).
 
         Raises
         ------
@@ -157,16 +159,13 @@ class CupyHook:
         self._refuse_while_capturing(stream)
         if stream is not None and self.options.sync != "stream":
             self._refuse_while_capturing(None)  # a device-wide wait stops any capture on it
-        return self._wait(stream, device, exporting)
+        return self._wait(stream, device, exporting, before)
 
-    def _wait(self, stream, device, exporting=None) -> float:
+    def _wait(self, stream, device, exporting=None, before=None) -> float:
         self._declare_synchronize()
-        return self._timed_wait(stream, device, exporting)
-
-    def _timed_wait(self, stream, device, exporting=None, start=None) -> float:
-        """The wait itself, weighed from ``start`` (default: now)."""
-        if start is None:
-            start = time.perf_counter()
+        start = time.perf_counter()
+        if before is not None:
+            before()
         if stream is not None and self.options.sync == "stream":
             with OwnWaits():
                 stream.synchronize()
@@ -387,16 +386,12 @@ class CupyHook:
         once it is done, so the wait is weighed from before the copy."""
         runtime, streams = self.cupy.cuda.runtime, self.side_streams
         if self.release.one_gpu() and not streams.unordered_work_possible():
-            # Refused before the copy, as synchronize() refuses before its
-            # wait: queued on the legacy stream while the current stream
-            # captures, the copy would break the capture. A capture on a
-            # blocking stream the thread is not using breaks here, as it does
-            # at the device-wide wait either way.
-            self._refuse_while_capturing(None)
-            self._declare_synchronize()
-            start = time.perf_counter()
-            runtime.memcpyAsync(host, ptr, itemsize, runtime.memcpyDeviceToHost, streams.legacy)
-            self._timed_wait(None, device, start=start)
+            # synchronize() refuses before it queues the copy: on the legacy
+            # stream while the current stream captures, the copy would break
+            # the capture. A capture on a blocking stream the thread is not
+            # using breaks here, as it does at the device-wide wait either way.
+            self.synchronize(None, device, before=lambda: runtime.memcpyAsync(
+                host, ptr, itemsize, runtime.memcpyDeviceToHost, streams.legacy))
             return
         self.synchronize(None, device)
         runtime.memcpy(host, ptr, itemsize, runtime.memcpyDeviceToHost)
