@@ -366,6 +366,26 @@ def test_the_tables_rounds_skip_a_failed_run_and_keep_to_the_ratios_figure():
     assert rows["| mixed"].endswith("(×0.5; rounds 0.50–0.60) |")
 
 
+def test_a_program_that_failed_every_round_is_named_by_the_table_and_compare():
+    """No run of a configuration exited 0: its summary is None. The table
+    says so where a median would be, and compare names it as worse than
+    any slow-down; stock's failures leave the other cells without a ratio."""
+    ran = {"cpu": bench.summary([100.0, 101.0]), "gpu": None, "round_cpu": [100.0, 101.0],
+           "round_gpu": [], "returncodes": [0, 0]}
+    failed = {"cpu": None, "gpu": None, "round_cpu": [None, None], "round_gpu": [],
+              "returncodes": [1, 1]}
+    new = {"configs": ["stock", "auto"], "results": {"program p": {
+        "suite": "programs", "stock": ran, "auto": failed}}}
+    assert "| no run exited 0 (exit [1, 1]) |" in bench.table(new)
+    old = copy.deepcopy(new)
+    old["results"]["program p"]["auto"] = dict(ran)
+    assert bench.compare(old, new) == ["program p [auto]: no run exited 0 (exit [1, 1])"]
+    assert bench.compare(new, old) == []  # nothing to compare a recovery against
+    stock_failed = {"configs": ["stock", "auto"], "results": {"program p": {
+        "suite": "programs", "stock": failed, "auto": ran}}}
+    assert bench.table(stock_failed).splitlines()[-1].endswith("| CPU 100.5 µs |")
+
+
 def test_share_case_times_export_and_import_between_two_processes():
     """The share case on the emulated pool (memfds): a spawned process imports
     each export; every step is timed, per GiB, and the importer read the marks

@@ -305,12 +305,15 @@ def table(report) -> str:
                 continue
             cpu = entry["cpu"]
             gpu = entry["gpu"]
+            if cpu is None:  # a program that failed in every round
+                cells.append(f"no run exited 0 (exit {entry.get('returncodes')})")
+                continue
             text = f"CPU {cpu['median']:.1f} µs"
             if gpu:
                 text += f", GPU {gpu['median']:.1f} µs"
             for name, values in entry.get("metrics", {}).items():
                 text += f"; {name} {statistics.median(values):.3g}"
-            if base and config != "stock":
+            if base and base["cpu"] and config != "stock":
                 key = _judged_by(entry, base)
                 ratio = entry[key]["median"] / base[key]["median"]
                 pairs = round_ratios(entry, base, key)
@@ -331,7 +334,10 @@ def compare(old, new, threshold=1.25, floor_us=1.0) -> list[str]:
             if config == "suite":
                 continue
             before = old["results"].get(case, {}).get(config)
-            if not before:
+            if not before or not before["cpu"]:
+                continue
+            if not entry["cpu"]:  # it ran to the end before, and fails now
+                found.append(f"{case} [{config}]: no run exited 0 (exit {entry.get('returncodes')})")
                 continue
             a, b = _time_of(before), _time_of(entry)
             if a["median"] < floor_us:
