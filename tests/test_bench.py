@@ -497,7 +497,7 @@ def test_moves_time_each_way_and_check_what_arrives(gpu_caps):
         return
     can_discard = (hasattr(driver, "cuMemDiscardAndPrefetchBatchAsync")
                    and driver.cuDriverGetVersion()[1] >= 13000)
-    timed = cases.MOVES_CASES if can_discard else cases.MOVES_CASES[:3]
+    timed = cases.MOVES_CASES if can_discard else cases.MOVES_CASES[:4]
     for case in timed:
         entry = out[case]
         assert "skipped" not in entry, (case, entry)

@@ -232,6 +232,7 @@ def workflows(smoke):
 MOVES_CASES = ("managed 1GiB to the GPU: prefetch",
                "managed 1GiB to the host: prefetch",
                "managed 1GiB, GPU-resident, into pinned memory: DMA (no move)",
+               "managed 1GiB there and back: prefetch, 10 kernels, prefetch (the iterative workflow without ump)",
                "managed 1GiB to the host: host pages alone (discard, prefetch to the host)",
                "managed 1GiB to the host: DMA into pinned memory, discard, prefetch, 8-thread copy",
                "managed 1GiB to the host: DMA into pinned memory, discard, 8-thread copy (host faults)")
@@ -352,6 +353,15 @@ def moves(smoke):
             _threaded_copy(host, m.pinned)
         return move
 
+    def cycle(p, host):  # the floor under the iterative workflow on this machine
+        m.core.prefetch(p, m.size, 0, m.stream.ptr)
+        gpu = m.cupy.ndarray((m.n,), m.cupy.float32,
+                             m.cupy.cuda.MemoryPointer(m.cupy.cuda.UnownedMemory(p, m.size, None), 0))
+        with m.stream:
+            for _ in range(10):
+                gpu *= 2
+        m.core.prefetch(p, m.size, -1, m.stream.ptr)
+
     def host_pages(p, host):
         m.discard(p, prefetch_to_host=True)
 
@@ -366,13 +376,14 @@ def moves(smoke):
             MOVES_CASES[1]: m.timed(True, lambda p, h: m.core.prefetch(p, m.size, -1, m.stream.ptr),
                                    reads(lambda h, g: h, 2.0), repeat),
             MOVES_CASES[2]: m.timed(True, dma, reads(lambda h, g: m.pinned, 2.0), repeat),
+            MOVES_CASES[3]: m.timed(False, cycle, reads(lambda h, g: h, 1024.0), repeat),
         }
         try:
-            out[MOVES_CASES[3]] = m.timed(True, host_pages, written_after, repeat)
-            out[MOVES_CASES[4]] = m.timed(True, back_by_copy(True), reads(lambda h, g: h, 2.0), repeat)
-            out[MOVES_CASES[5]] = m.timed(True, back_by_copy(False), reads(lambda h, g: h, 2.0), repeat)
+            out[MOVES_CASES[4]] = m.timed(True, host_pages, written_after, repeat)
+            out[MOVES_CASES[5]] = m.timed(True, back_by_copy(True), reads(lambda h, g: h, 2.0), repeat)
+            out[MOVES_CASES[6]] = m.timed(True, back_by_copy(False), reads(lambda h, g: h, 2.0), repeat)
         except NotImplementedError as e:
-            out.update({case: {"skipped": str(e)} for case in MOVES_CASES[3:]})
+            out.update({case: {"skipped": str(e)} for case in MOVES_CASES[4:]})
     finally:
         del m.pinned, m.staging
         cupy.get_default_pinned_memory_pool().free_all_blocks()
