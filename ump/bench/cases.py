@@ -267,11 +267,9 @@ class _Moves:
         written by a kernel where ``gpu_written``."""
         import ctypes
 
-        cupy = self.cupy
         p = self.rt.mallocManaged(self.size, 1)  # cudaMemAttachGlobal
         host = np.ctypeslib.as_array((ctypes.c_float * self.n).from_address(p))
-        gpu = cupy.ndarray((self.n,), cupy.float32,
-                           cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(p, self.size, None), 0))
+        gpu = self.gpu_view(p)
         host[:] = 1.0
         if gpu_written:
             self.core.prefetch(p, self.size, 0, self.stream.ptr)
@@ -279,6 +277,11 @@ class _Moves:
                 gpu += 1.0
         self.stream.synchronize()
         return p, host, gpu
+
+    def gpu_view(self, p):
+        cupy = self.cupy
+        return cupy.ndarray((self.n,), cupy.float32,
+                            cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(p, self.size, None), 0))
 
     def discard(self, p, prefetch_to_host):
         """Drop the managed pages' contents (cuMemDiscardBatchAsync), and
@@ -355,8 +358,7 @@ def moves(smoke):
 
     def cycle(p, host):  # the floor under the iterative workflow on this machine
         m.core.prefetch(p, m.size, 0, m.stream.ptr)
-        gpu = m.cupy.ndarray((m.n,), m.cupy.float32,
-                             m.cupy.cuda.MemoryPointer(m.cupy.cuda.UnownedMemory(p, m.size, None), 0))
+        gpu = m.gpu_view(p)
         with m.stream:
             for _ in range(10):
                 gpu *= 2
