@@ -617,6 +617,30 @@ def test_the_programs_table_says_which_programs_stay_within_the_bound():
             "fails (exit [0, 1, 0])") in text
 
 
+def test_the_programs_table_gives_the_short_programs_time_against_stock_pair_by_pair():
+    """For programs under 2.5 s of stock wall time, where a once-per-process
+    cost weighs, each round's wall time less the same round's stock time:
+    their median in ms and how many pairs were longer. Longer programs and
+    failed rounds give no pair."""
+    from ump.bench import programs
+
+    def entry(walls):
+        known = [w for w in walls if w is not None]
+        return {"round_cpu": walls, "cpu": {"median": sorted(known)[len(known) // 2]}, "errors": []}
+
+    results = {
+        "program short": {"suite": "programs", "stock": entry([1.0e6, 1.0e6, 1.0e6]),
+                          "auto": entry([1.04e6, 1.03e6, 0.99e6])},
+        "program failed once": {"suite": "programs", "stock": entry([2.0e6, None, 2.0e6]),
+                                "auto": entry([None, 2.5e6, 2.02e6])},
+        "program long": {"suite": "programs", "stock": entry([30e6, 30e6, 30e6]), "auto": entry([33e6, 33e6, 33e6])},
+    }
+    text = programs.table({"configs": ["stock", "auto"], "results": results})
+    # pairs: +40, +30, -10 and +20 ms; the long program's +3000 ms is not one
+    assert ("auto against stock pair by pair (the processes of one round), the 2 programs under 2.5 s: "
+            "a median +25.0 ms (3 of 4 pairs longer)") in text
+
+
 def test_only_selects_programs_by_name_or_first_words_in_the_suites_order():
     from ump.bench import programs
 

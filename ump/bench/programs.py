@@ -31,6 +31,7 @@ import importlib.util
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -192,6 +193,11 @@ def select(names, programs=PROGRAMS) -> tuple:
 #: The bound the suite holds a program's time under ump to, against stock's:
 #: its ratio of medians, or one round's ratio (within the spread of its rounds).
 WITHIN = 1.05
+
+#: Programs whose stock wall time is under this many seconds are where a cost
+#: ump pays once per process (its start-up, its exit) weighs: the table gives
+#: their time against stock's pair by pair, in milliseconds.
+SHORT_S = 2.5
 
 
 def command(config: str, script: str, args=(), module: str | None = None) -> list[str]:
@@ -387,6 +393,7 @@ def table(report) -> str:
     lines = [head, "|" + "---|" * (len(configs) + 2)]
     speedups = {c: {"cpu": [], "gpu": []} for c in configs}
     judged = {c: [] for c in configs}  # (program, its ratios, its entry) where stock ran to the end
+    paired = {c: [] for c in configs}  # each round's wall minus stock's, programs under SHORT_S
     for case, per in rows.items():
         base = per.get("stock")
         if base is None:
@@ -402,6 +409,8 @@ def table(report) -> str:
             ratios = {key: r for key in ("cpu", "gpu") if (r := _ratio(entry, base, key)) is not None}
             if base.get("cpu"):
                 judged[config].append((case.removeprefix("program "), ratios, entry))
+                if base["cpu"]["median"] < SHORT_S * 1e6:
+                    paired[config].append(_differences(entry, base))
             parts = []
             for key, r in ratios.items():
                 parts.append(f"×{r[0]:.3f} ({r[1]:.2f}–{r[2]:.2f})")
@@ -417,8 +426,27 @@ def table(report) -> str:
                 mean = math.exp(sum(math.log(v) for v in values) / len(values))
                 lines.append(f"\ngeometric mean of stock / {config}, {what} time: {mean:.3f} "
                              f"({len(values)} programs)")
+        if any(paired[config]):
+            lines.append(_pairs(config, paired[config]))
         lines.append(_within(config, judged[config]))
     return "\n".join(lines)
+
+
+def _differences(entry, base) -> list:
+    """Each round's wall time of ``entry`` less the same round's of ``base``,
+    in milliseconds; a round without a figure on either side gives none."""
+    return [(a - b) / 1e3 for a, b in zip(entry.get("round_cpu") or (), base.get("round_cpu") or ())
+            if a is not None and b is not None]
+
+
+def _pairs(config: str, programs: list) -> str:
+    """The median of ``programs``' differences from :func:`_differences`
+    (one list per program, at least one difference), and how many were
+    longer than stock's."""
+    diffs = [d for per in programs for d in per]
+    return (f"\n{config} against stock pair by pair (the processes of one round), the {len(programs)} programs "
+            f"under {SHORT_S} s: a median {statistics.median(diffs):+.1f} ms ({sum(d > 0 for d in diffs)} of "
+            f"{len(diffs)} pairs longer)")
 
 
 def _within(config: str, judged: list) -> str:
