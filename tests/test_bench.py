@@ -621,7 +621,8 @@ def test_the_programs_table_gives_the_short_programs_time_against_stock_pair_by_
     """For programs under 2.5 s of stock wall time, where a once-per-process
     cost weighs, each round's wall time less the same round's stock time:
     their median in ms and how many pairs were longer. Longer programs and
-    failed rounds give no pair."""
+    failed rounds give no pair; a program whose every round failed is not
+    counted."""
     from ump.bench import programs
 
     def entry(walls):
@@ -634,6 +635,9 @@ def test_the_programs_table_gives_the_short_programs_time_against_stock_pair_by_
         "program failed once": {"suite": "programs", "stock": entry([2.0e6, None, 2.0e6]),
                                 "auto": entry([None, 2.5e6, 2.02e6])},
         "program long": {"suite": "programs", "stock": entry([30e6, 30e6, 30e6]), "auto": entry([33e6, 33e6, 33e6])},
+        "program never ran": {"suite": "programs", "stock": entry([1.0e6, 1.0e6, 1.0e6]),
+                              "auto": {"round_cpu": [None, None, None], "cpu": None, "errors": [["boom"]],
+                                       "returncodes": [1, 1, 1]}},
     }
     text = programs.table({"configs": ["stock", "auto"], "results": results})
     # pairs: +40, +30, -10 and +20 ms; the long program's +3000 ms is not one

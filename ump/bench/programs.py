@@ -441,10 +441,12 @@ def _differences(entry, base) -> list:
 
 def _pairs(config: str, programs: list) -> str:
     """The median of ``programs``' differences from :func:`_differences`
-    (one list per program, at least one difference), and how many were
-    longer than stock's."""
+    (one list per program, at least one difference in all), and how many
+    were longer than stock's; a program whose every round failed is not
+    counted."""
     diffs = [d for per in programs for d in per]
-    return (f"\n{config} against stock pair by pair (the processes of one round), the {len(programs)} programs "
+    counted = sum(1 for per in programs if per)
+    return (f"\n{config} against stock pair by pair (the processes of one round), the {counted} programs "
             f"under {SHORT_S} s: a median {statistics.median(diffs):+.1f} ms ({sum(d > 0 for d in diffs)} of "
             f"{len(diffs)} pairs longer)")
 
