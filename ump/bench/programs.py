@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from .summary import round_ratios, summary
+from .summary import round_pairs, round_ratios, summary
 
 __all__ = ["PROGRAMS", "SOURCES", "ENV", "Program", "Source", "command", "docstring_script", "folders",
            "run", "table"]
@@ -433,10 +433,9 @@ def table(report) -> str:
 
 
 def _differences(entry, base) -> list:
-    """Each round's wall time of ``entry`` less the same round's of ``base``,
-    in milliseconds; a round without a figure on either side gives none."""
-    return [(a - b) / 1e3 for a, b in zip(entry.get("round_cpu") or (), base.get("round_cpu") or ())
-            if a is not None and b is not None]
+    """Each round's wall time of ``entry`` less the same round's of ``base``
+    (:func:`~ump.bench.summary.round_pairs`), in milliseconds."""
+    return [(a - b) / 1e3 for a, b in round_pairs(entry, base, "cpu")]
 
 
 def _pairs(config: str, programs: list) -> str:

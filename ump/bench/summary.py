@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["summary", "round_ratios"]
+__all__ = ["summary", "round_pairs", "round_ratios"]
 
 
 def summary(times):
@@ -17,10 +17,17 @@ def summary(times):
             "min": min(times), "max": max(times), "n": len(times)}
 
 
-def round_ratios(entry, base, key):
-    """Each round's median of ``entry`` over the same round's of ``base``, for
-    ``key`` ("cpu" or "gpu"): the spread that a ratio of medians hides when one
-    process of a round runs slow throughout. A round without a figure on
-    either side (a failed run, a report that kept no rounds) gives none."""
+def round_pairs(entry, base, key):
+    """(``entry``'s, ``base``'s) median of each round, for ``key`` ("cpu" or
+    "gpu"). A round without a figure on either side (a failed run, a report
+    that kept no rounds) gives none."""
     rounds = "round_cpu" if key == "cpu" else "round_gpu"
-    return [a / b for a, b in zip(entry.get(rounds) or (), base.get(rounds) or ()) if a is not None and b]
+    return [(a, b) for a, b in zip(entry.get(rounds) or (), base.get(rounds) or ())
+            if a is not None and b is not None]
+
+
+def round_ratios(entry, base, key):
+    """Each round's median of ``entry`` over the same round's of ``base``
+    (:func:`round_pairs`): the spread that a ratio of medians hides when one
+    process of a round runs slow throughout."""
+    return [a / b for a, b in round_pairs(entry, base, key) if b]
