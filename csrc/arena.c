@@ -15,7 +15,6 @@
 #include "arenas.h"
 
 #include <stdlib.h>
-#include <string.h>
 
 /* One budget per kind and device: the NumPy-side and CuPy-side arenas of a
  * backend share its cap, so the cap bounds all the memory the backend holds
@@ -383,7 +382,7 @@ void *ump__arena_alloc(arena_t *a, size_t size, size_t zero_bytes)
     else
         p = large_alloc(a, rsize, &fresh);
     if (p && zero_bytes && !fresh)
-        memset(p, 0, zero_bytes);
+        ump__provider_zero(a->provider, p, zero_bytes);
     return p;
 }
 

@@ -9,7 +9,9 @@
 #define _GNU_SOURCE
 #include "internal.h"
 
+#include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 static void *map_host(size_t size)
 {
@@ -83,6 +85,30 @@ int ump__provider_free(int provider, void *ptr, size_t size, void *ctx)
     }
     ump__ctx_leave(pushed);
     return status;
+}
+
+/* Below this a memset is cheaper than the system call and the faults after. */
+#define ZERO_DROP_MIN ((size_t)64 << 10)
+
+void ump__provider_zero(int provider, void *ptr, size_t size)
+{
+    /* A private anonymous page dropped with MADV_DONTNEED reads as zeros
+     * and is committed again only where written, as a fresh mapping (and
+     * stock NumPy's calloc) gives it. A memset would commit every page at
+     * once: np.zeros of a size the machine holds only sparsely would
+     * exhaust its memory, and a large one takes seconds. Registered memory
+     * is locked and managed memory is the driver's: they are written. */
+    if (provider == UMP_PROVIDER_HOST && size >= ZERO_DROP_MIN) {
+        uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        uintptr_t start = ((uintptr_t)ptr + page - 1) & ~(page - 1);
+        uintptr_t end = ((uintptr_t)ptr + size) & ~(page - 1);
+        if (end > start && madvise((void *)start, end - start, MADV_DONTNEED) == 0) {
+            memset(ptr, 0, start - (uintptr_t)ptr);
+            memset((void *)end, 0, (uintptr_t)ptr + size - end);
+            return;
+        }
+    }
+    memset(ptr, 0, size);
 }
 
 static CUmemLocation location(int device)

@@ -75,6 +75,32 @@ def test_calloc_zeroes_reused_memory(arena):
         _core.free(q, size)
 
 
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_calloc_of_a_reused_large_block_commits_none_of_it(arena):
+    """A reused large block of host memory is zeroed as a fresh mapping is,
+    by giving its pages back: every byte reads zero and is committed again
+    only where written, as with stock NumPy's calloc. A memset would commit
+    all of it at once (np.zeros of a size the machine holds only sparsely
+    would exhaust its memory)."""
+    size = 256 * MiB + 100  # ends in part of a page, which is written
+    p = _core.malloc(size)
+    block = np.frombuffer((ctypes.c_char * size).from_address(p), np.uint8)
+    block[:] = 0xFF  # every page committed
+    _core.free(p, size)
+    before = _resident()
+    q = _core.calloc(size, 1)
+    assert q == p  # the same block comes back...
+    assert _resident() < before - 128 * MiB  # ...its pages given back
+    assert not block.any()  # reading zeros commits nothing either
+    assert _resident() < before - 128 * MiB
+    block[-1] = 1
+    _core.free(q, size)
+
+
 def test_calloc_rejects_overflow(arena):
     assert not _core.calloc(1 << 62, 8)
     assert not _core.calloc(sys.maxsize, sys.maxsize)
