@@ -4,6 +4,7 @@ rewriting and finding a compiled module's private C variable."""
 from __future__ import annotations
 
 import ctypes
+import gc
 
 import numpy as np
 import pytest
@@ -340,7 +341,7 @@ def _stream_classes():
     return BaseStream, Stream
 
 
-def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work():
+def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work(monkeypatch):
     """A scalar read queues its copy on the legacy default stream before
     the wait only while no stream it does not follow can have work. The
     first question after ``enable()`` answers yes (that read waits first,
@@ -349,7 +350,8 @@ def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work()
     before ``enable()`` (found by the scan), one made after (noted by the
     patched ``__init__``), a foreign handle whose flags cannot be read and
     an export to another GPU library make it yes, for good. A stream object
-    with no handle yet (``__new__`` alone) is no work."""
+    with no handle yet (``__new__`` alone) is no work. After an ``enable()``
+    that imported CuPy itself nothing ran unwatched: no wait first, no scan."""
     import types
 
     from ump._cupy_compat import SideStreams
@@ -404,4 +406,17 @@ def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work()
     assert sides.unordered_work_possible() is False
     sides.exported()  # another GPU library took an array: its streams are unseen
     assert sides.unordered_work_possible() is True
+    sides.rescan(scan=False)
+    assert sides.unordered_work_possible() is True  # seen once, the answer stays
+
+    def no_scan(*classes):
+        raise AssertionError("scanned the collector's objects")
+
+    monkeypatch.setattr(gc, "get_referrers", no_scan)
+    sides = SideStreams(cupy)
+    sides.rescan(scan=False)
+    assert sides.unordered_work_possible() is False and sides.unordered_work_possible() is False
+    sides.rescan()
+    with pytest.raises(AssertionError, match="scanned"):
+        sides.unordered_work_possible()
     assert blocking and defaults

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
 import sys
 import warnings
 
@@ -245,6 +246,52 @@ def test_a_scalar_read_waits_first_once_a_stream_the_legacy_one_does_not_follow_
     finally:
         runtime.deviceSynchronize()
         runtime.streamDestroy(handle)
+
+
+def test_an_enable_that_imports_cupy_looks_for_no_stream_made_before_it(gpu_backend, tmp_path):
+    """When ``enable()`` imports CuPy itself (``python -m ump run``), no
+    work can have been queued through it unwatched: the first scalar read
+    queues its copy before the wait, with no scan of the collector's
+    objects. CuPy imported first, with a non-blocking stream made before
+    ``enable()``: the first read waits for the device, and the scan finds
+    that stream. Each read sees the value a kernel that spins first wrote."""
+    code = f"""
+import gc, json, sys
+import numpy as np
+import ump
+if sys.argv[1] == "cupy-first":
+    import cupy
+    early = cupy.cuda.Stream(non_blocking=True)
+scans = []
+referrers = gc.get_referrers
+gc.get_referrers = lambda *a: scans.append(1) or referrers(*a)
+ump.enable(sys.argv[2], cap=1 << 30)
+import cupy
+sides = ump._enable.current().cupy.side_streams
+before = sides.seen
+kernel = cupy.RawKernel(r'''{SPIN}''', "spin_then_write")
+g = cupy.zeros(1 << 16, dtype=cupy.float64)
+values = []
+for value in (1.0, 2.0, 3.0):
+    kernel(((g.size + 255) // 256,), (256,), (g, np.int64(g.size), np.int64({CYCLES}), np.float64(value)))
+    values.append(float(g[-1]))
+one_gpu = ump._enable.current().cupy.release.one_gpu()
+print(json.dumps([before, len(scans), sides.seen, values, one_gpu]))
+"""
+    name, _ = gpu_backend
+    if name != "managed":
+        pytest.skip("a scalar read queues its copy before the wait in managed memory only")
+    out = {}
+    for order in ("ump-first", "cupy-first"):
+        proc = subprocess.run([sys.executable, "-c", code, order, name], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[order] = json.loads(proc.stdout.strip().splitlines()[-1])
+    one_gpu = out["ump-first"].pop()
+    assert out["ump-first"] == [False, 0, False, [1.0, 2.0, 3.0]]
+    # with several GPUs every read waits first, and asks nothing
+    expected = [None, 1, True] if one_gpu else [None, 0, None]
+    assert out["cupy-first"] == [*expected, [1.0, 2.0, 3.0], one_gpu]
 
 
 @pytest.mark.parametrize("path", ["cupy.asnumpy", "numpy.asarray"])

@@ -339,11 +339,16 @@ class SideStreams(OnePerCupy):
         if self.seen is not True:
             self._mark_unordered()
 
-    def rescan(self) -> None:
-        """``enable()``: the next question waits, then looks at the streams alive."""
+    def rescan(self, scan: bool = True) -> None:
+        """``enable()``: the next question waits, then looks at the streams
+        alive. ``scan=False``: that ``enable()`` imported CuPy itself, so no
+        work was queued through it unwatched and no stream of it is alive
+        but the default ones; there is nothing to wait for or look at (the
+        scan walks every object the collector tracks: milliseconds that
+        each program ``python -m ump run`` starts would pay)."""
         with self._lock:
             if not self.seen:
-                self.seen = None
+                self.seen = None if scan else False
 
     def _mark_unordered(self) -> None:
         with self._lock:

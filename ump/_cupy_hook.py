@@ -472,13 +472,15 @@ class CupyHook:
         return (KDL_CUDA, device) if kind == KDL_CUDA_MANAGED else (kind, device)
 
     # --- install / uninstall -----------------------------------------------
-    def install(self):
+    def install(self, cupy_new: bool = False):
         """Patch CuPy and set its allocator; on any failure put back what
-        was changed."""
+        was changed. ``cupy_new``: CuPy was imported by this ``enable()``,
+        so nothing ran on it unwatched."""
         try:
             self.patches.install()
             self.patches.note_streams()
-            self.side_streams.rescan()  # after note_streams(): no stream made in between goes unseen
+            # after note_streams(): no stream made in between goes unseen
+            self.side_streams.rescan(scan=not cupy_new)
             if self.placement.mode == "auto" and self.backend.provider == _core.PROVIDER_MANAGED:
                 # NumPy's blocks are managed memory the policy places, by waits.
                 self.patches.wrap_waits()

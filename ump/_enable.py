@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import sys
 import threading
 import warnings
 
@@ -191,12 +192,13 @@ def enable(backend: str = "auto", **options) -> str:
                 f"({_differences(_state, backend, opts)}): call ump.disable() first"
             )
         chosen = backends.select(backend, probe(), opts.device)
+        cupy_new = "cupy" not in sys.modules  # imported by this call: nothing ran on it unwatched
         cupy, device = _gpu_side(chosen, opts) if chosen.uses_gpu else (None, None)
         numpy_cap, cupy_cap, headroom = _budgets(chosen, opts, device)
         numpy_arena = _core.Arena(chosen.numpy_arena_kind, chosen.provider, numpy_cap, chosen.advise_host)
         cupy_arena = hook = None
         if cupy is not None:
-            cupy_arena, hook = _install_cupy(cupy, chosen, opts, (cupy_cap, headroom), numpy_arena)
+            cupy_arena, hook = _install_cupy(cupy, chosen, opts, (cupy_cap, headroom), numpy_arena, cupy_new)
         try:
             _numpy_hook.install(numpy_arena.id)
         except BaseException:
@@ -224,9 +226,10 @@ def _gpu_side(chosen: backends.Backend, opts: Options):
 
 
 def _install_cupy(cupy, chosen: backends.Backend, opts: Options, budget: tuple[int, int],
-                  numpy_arena: _core.Arena):
+                  numpy_arena: _core.Arena, cupy_new: bool = False):
     """(CuPy's arena or None, the installed hook): CuPy's memory from its
-    own arena, or from the device's VMM pool (backend "device")."""
+    own arena, or from the device's VMM pool (backend "device").
+    ``cupy_new``: CuPy was imported by this ``enable()``."""
     cupy_cap, headroom = budget
     cupy_arena = pool = None
     if chosen.vmm_pool:
@@ -246,7 +249,7 @@ def _install_cupy(cupy, chosen: backends.Backend, opts: Options, budget: tuple[i
                                pool_for=_devices.vmm_pool, arena_for=arena_for,
                                numpy_arena=numpy_arena.id)
     with cupy.cuda.Device(opts.device):
-        hook.install()
+        hook.install(cupy_new)
     return cupy_arena, hook
 
 
