@@ -138,8 +138,9 @@ UMP_HIDDEN int ump__device_sync(int device);
 UMP_HIDDEN int ump__provider_alloc(int provider, size_t size, void **out, int *fresh_zero,
                                    void *ctx);
 UMP_HIDDEN int ump__provider_free(int provider, void *ptr, size_t size, void *ctx);
-/* Zero `size` bytes at `ptr`, reused memory of a provider's chunk; anonymous
- * host memory gives its whole pages back rather than commit them all. */
+/* Zero `size` bytes at `ptr`, reused memory of a provider's chunk; a large
+ * block of anonymous host memory gives its whole pages back rather than
+ * commit them all. */
 UMP_HIDDEN void ump__provider_zero(int provider, void *ptr, size_t size);
 /* Advise a new managed chunk to live on the host and be mapped by the GPU. */
 UMP_HIDDEN void ump__advise_host(void *ptr, size_t size);
