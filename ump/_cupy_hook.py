@@ -472,10 +472,10 @@ class CupyHook:
         return (KDL_CUDA, device) if kind == KDL_CUDA_MANAGED else (kind, device)
 
     # --- install / uninstall -----------------------------------------------
-    def install(self, cupy_new: bool = False):
+    def install(self, *, cupy_new: bool):
         """Patch CuPy and set its allocator; on any failure put back what
-        was changed. ``cupy_new``: CuPy was imported by this ``enable()``,
-        so nothing ran on it unwatched."""
+        was changed. ``cupy_new``: CuPy was imported by this ``enable()``
+        with no other thread running, so nothing ran on it unwatched."""
         try:
             self.patches.install()
             self.patches.note_streams()

@@ -192,7 +192,9 @@ def enable(backend: str = "auto", **options) -> str:
                 f"({_differences(_state, backend, opts)}): call ump.disable() first"
             )
         chosen = backends.select(backend, probe(), opts.device)
-        cupy_new = "cupy" not in sys.modules  # imported by this call: nothing ran on it unwatched
+        # CuPy imported by this call, with no other thread that could use it
+        # before the hook is in: nothing can run on it unwatched.
+        cupy_new = "cupy" not in sys.modules and threading.active_count() == 1
         cupy, device = _gpu_side(chosen, opts) if chosen.uses_gpu else (None, None)
         numpy_cap, cupy_cap, headroom = _budgets(chosen, opts, device)
         numpy_arena = _core.Arena(chosen.numpy_arena_kind, chosen.provider, numpy_cap, chosen.advise_host)
@@ -226,10 +228,10 @@ def _gpu_side(chosen: backends.Backend, opts: Options):
 
 
 def _install_cupy(cupy, chosen: backends.Backend, opts: Options, budget: tuple[int, int],
-                  numpy_arena: _core.Arena, cupy_new: bool = False):
+                  numpy_arena: _core.Arena, cupy_new: bool):
     """(CuPy's arena or None, the installed hook): CuPy's memory from its
     own arena, or from the device's VMM pool (backend "device").
-    ``cupy_new``: CuPy was imported by this ``enable()``."""
+    ``cupy_new``: CuPy was imported by this ``enable()``, no other thread running."""
     cupy_cap, headroom = budget
     cupy_arena = pool = None
     if chosen.vmm_pool:
@@ -249,7 +251,7 @@ def _install_cupy(cupy, chosen: backends.Backend, opts: Options, budget: tuple[i
                                pool_for=_devices.vmm_pool, arena_for=arena_for,
                                numpy_arena=numpy_arena.id)
     with cupy.cuda.Device(opts.device):
-        hook.install(cupy_new)
+        hook.install(cupy_new=cupy_new)
     return cupy_arena, hook
 
 
