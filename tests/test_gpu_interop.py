@@ -254,7 +254,9 @@ def test_an_enable_that_imports_cupy_looks_for_no_stream_made_before_it(gpu_back
     queues its copy before the wait, with no scan of the collector's
     objects. CuPy imported first, with a non-blocking stream made before
     ``enable()``: the first read waits for the device, and the scan finds
-    that stream. Each read sees the value a kernel that spins first wrote."""
+    that stream. Each read sees the value a kernel that spins first wrote,
+    on the default stream, then on a blocking and a non-blocking stream made
+    after ``enable()`` (noted as they are made: the reads then wait first)."""
     code = f"""
 import gc, json, sys
 import numpy as np
@@ -271,12 +273,17 @@ sides = ump._enable.current().cupy.side_streams
 before = sides.seen
 kernel = cupy.RawKernel(r'''{SPIN}''', "spin_then_write")
 g = cupy.zeros(1 << 16, dtype=cupy.float64)
-values = []
-for value in (1.0, 2.0, 3.0):
-    kernel(((g.size + 255) // 256,), (256,), (g, np.int64(g.size), np.int64({CYCLES}), np.float64(value)))
-    values.append(float(g[-1]))
+values, seen = [], []
+for make in (lambda: cupy.cuda.Stream.null, cupy.cuda.Stream, lambda: cupy.cuda.Stream(non_blocking=True)):
+    stream = make()  # made just before its kernels
+    for value in (1.0, 2.0, 3.0):
+        with stream:
+            kernel(((g.size + 255) // 256,), (256,), (g, np.int64(g.size), np.int64({CYCLES}),
+                                                      np.float64(value)))
+        values.append(float(g[-1]))
+    seen.append(sides.seen)
 one_gpu = ump._enable.current().cupy.release.one_gpu()
-print(json.dumps([before, len(scans), sides.seen, values, one_gpu]))
+print(json.dumps([before, len(scans), seen, values, one_gpu]))
 """
     name, _ = gpu_backend
     if name != "managed":
@@ -288,10 +295,12 @@ print(json.dumps([before, len(scans), sides.seen, values, one_gpu]))
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[order] = json.loads(proc.stdout.strip().splitlines()[-1])
     one_gpu = out["ump-first"].pop()
-    assert out["ump-first"] == [False, 0, False, [1.0, 2.0, 3.0]]
+    values = [1.0, 2.0, 3.0] * 3
+    # the non-blocking stream is noted as it is made, the blocking one is followed
+    assert out["ump-first"] == [False, 0, [False, False, True], values]
     # with several GPUs every read waits first, and asks nothing
-    expected = [None, 1, True] if one_gpu else [None, 0, None]
-    assert out["cupy-first"] == [*expected, [1.0, 2.0, 3.0], one_gpu]
+    expected = [None, 1, [True, True, True]] if one_gpu else [None, 0, [None, None, True]]
+    assert out["cupy-first"] == [*expected, values, one_gpu]
 
 
 @pytest.mark.parametrize("path", ["cupy.asnumpy", "numpy.asarray"])
