@@ -81,6 +81,15 @@ def _matrices():
     return {"handed": handed, "pool": handed.copy(), "raw": raw}, cupy.asarray(b)
 
 
+def _timed_steps(A, b, read: bool = True) -> float:
+    """µs per step of ``STEPS`` steps of ``fit``, the device idle before and after."""
+    cupy.cuda.runtime.deviceSynchronize()
+    t = time.perf_counter()
+    fit(A, b, STEPS, read)
+    cupy.cuda.runtime.deviceSynchronize()
+    return (time.perf_counter() - t) / STEPS * 1e6
+
+
 def main(tag: str) -> None:
     matrices, b = _matrices()
     fit(matrices["handed"], b, 300)  # warm-up: kernels compiled, the block placed
@@ -90,11 +99,7 @@ def main(tag: str) -> None:
     p = cupy.ones(N)
     for _ in range(BLOCKS):
         for name, A in matrices.items():
-            cupy.cuda.runtime.deviceSynchronize()
-            t = time.perf_counter()
-            fit(A, b, STEPS)
-            cupy.cuda.runtime.deviceSynchronize()
-            steps[name].append((time.perf_counter() - t) / STEPS * 1e6)
+            steps[name].append(_timed_steps(A, b))
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record()
             for _ in range(STEPS):
@@ -108,13 +113,9 @@ def main(tag: str) -> None:
 
 
 def _block(A, b, read: bool) -> float:
-    """µs per step of ``STEPS`` steps of ``fit`` after a warm-up of 60."""
+    """:func:`_timed_steps` after a warm-up of 60 steps."""
     fit(A, b, 60, read)
-    cupy.cuda.runtime.deviceSynchronize()
-    t = time.perf_counter()
-    fit(A, b, STEPS, read)
-    cupy.cuda.runtime.deviceSynchronize()
-    return (time.perf_counter() - t) / STEPS * 1e6
+    return _timed_steps(A, b, read)
 
 
 def alternate() -> None:
