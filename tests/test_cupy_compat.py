@@ -141,9 +141,9 @@ def test_scalar_conversions_copy_through_the_hook_and_fall_back_to_cupys():
     class Hook:
         copied, got = [], []
 
-        def scalar(self, g):  # a copy of the element, or None: not managed memory
+        def scalar(self, g, to):  # ``to`` of a copy of the element, or NotImplemented: not managed memory
             self.copied.append(g.value)
-            return None if g.value < 0 else np.array(g.value + 0.5)
+            return NotImplemented if g.value < 0 else to(np.array(g.value + 0.5))
 
         def get(self, g, **kwargs):
             self.got.append(g.value)

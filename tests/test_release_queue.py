@@ -5,6 +5,7 @@ a device, waiting for it), which record what they were asked."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import types
 
@@ -69,7 +70,10 @@ def test_on_one_gpu_a_wait_asks_for_no_other():
     queue = ReleaseQueue(cupy, active_devices=lambda: pytest.fail("asked on one GPU"))
     queue.wait_for(0)
     queue.wait_for(0)
-    assert log == [("enter", 0), ("sync",)] * 2
+    assert log == [("sync",)] * 2  # the one GPU is the current one: no device entered
+    queue.defer(np.ones(4), 0)
+    queue.wait_for(0)  # a release to make: the queue's own wait, on the array's device
+    assert log[2:] == [("enter", 0), ("sync",)] and len(queue) == 0
     assert counts == [1]  # the device count is read once
 
 
@@ -93,8 +97,18 @@ def test_with_nothing_deferred_a_wait_is_the_device_wait_alone():
 
     lock, queue._lock = queue._lock, NoLock()
     queue.wait_for(0)
+    # While enabled, ump times the program's own waits through a wrapper of
+    # CuPy's (functools.wraps): its own wait calls CuPy's, uncounted there.
+    device_wait = cupy.cuda.runtime.deviceSynchronize
+
+    @functools.wraps(device_wait)
+    def timed():
+        pytest.fail("ump's own wait went through the wrapper that times the program's")
+
+    cupy.cuda.runtime.deviceSynchronize = timed
     queue.wait_for()
     assert log == [("sync",)] * 2
+    cupy.cuda.runtime.deviceSynchronize = device_wait
     queue._lock = lock
     queue.defer(np.ones(4), 0)  # one deferred: the next wait releases it
     queue.wait_for(0)

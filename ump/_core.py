@@ -26,6 +26,7 @@ if _ucore.ABI_VERSION != ABI_VERSION:  # pragma: no cover - a stale build
 # csrc/ump.h's constants, as the extension (csrc/module.c) exports them.
 KIND_IDS = dict(_ucore.KINDS)
 KINDS = {kind: name for name, kind in KIND_IDS.items()}
+KIND_MANAGED = KIND_IDS["managed"]
 PROVIDER_HOST = _ucore.UMP_PROVIDER_HOST
 PROVIDER_MANAGED = _ucore.UMP_PROVIDER_MANAGED
 PROVIDER_PINNED = _ucore.UMP_PROVIDER_PINNED
@@ -438,10 +439,15 @@ def lookup(ptr: int) -> tuple[str | None, int, int]:
     return KINDS.get(kind), base, size
 
 
+#: (kind id, base, size, owner) of the live ump block holding an address:
+#: :func:`lookup_owner` without the kind's name (a scalar read's test).
+lookup_ids = _ucore.lookup
+
+
 def lookup_owner(ptr: int) -> tuple[str | None, int, int, int]:
     """(kind, base, size, owner) of the live ump block holding ``ptr``; the
     owner is an arena id, or ``MAX_ARENAS + pool id`` for a VMM pool."""
-    kind, base, size, owner = _ucore.lookup(ptr)
+    kind, base, size, owner = lookup_ids(ptr)
     return KINDS.get(kind), base, size, owner
 
 

@@ -338,28 +338,31 @@ class CupyHook:
         same = view.dtype.char == g.dtype.char and view.dtype == g.dtype
         return view if same else view.view(g.dtype)
 
-    def scalar(self, g):
-        """The one element of ``g``, copied to the host once the work queued
-        before has finished, as a NumPy array of ``g``'s shape; None where
+    def scalar(self, g, to):
+        """``to`` (``bool``, ``int``, ``float``, ``complex`` or
+        ``numpy.ndarray.item``) of the one element of ``g``, copied to the
+        host once the work queued before has finished; NotImplemented where
         ``g`` is not one element of managed memory (CuPy's own conversion,
         through :meth:`get`, serves it).
 
         A solver reads one each step (``if norm(r) < tol``), so this path
         is kept to the calls it needs: one lookup, one copy into pinned
-        memory, the wait (a copy out of managed memory costs ~5 µs more than
-        out of device memory whatever the API; into pageable memory 2.3–2.8
-        µs more again: docs/performance.md)."""
+        memory, the wait, and ``to`` of a view of the copy (a copy out of
+        managed memory costs ~3–5 µs more than out of device memory
+        whatever the API; into pageable memory 2.3–2.8 µs more again:
+        docs/performance.md). Inside a solver's step each Python call here
+        costs two to three times what it costs in a loop of reads alone."""
         if g.size != 1:
-            return None
+            return NotImplemented
         data, dtype = g.data, g.dtype
         ptr, itemsize = data.ptr, dtype.itemsize
-        kind, base, size, _ = _core.lookup_owner(ptr)  # _block_of's test, for one element
-        if kind != "managed" or ptr + itemsize > base + size:
-            return None
+        kind, base, size, _ = _core.lookup_ids(ptr)  # _block_of's test, for one element
+        if kind != _core.KIND_MANAGED or ptr + itemsize > base + size:
+            return NotImplemented
         if itemsize > _ELEMENT_BYTES:  # a wide structured element: pageable memory, as stock CuPy's copy
             host = ctypes.create_string_buffer(itemsize)
             self._copy_element(ctypes.addressof(host), ptr, itemsize, data.device_id)
-            return numpy.frombuffer(host, dtype, 1).reshape(g.shape)
+            return to(numpy.frombuffer(host, dtype, 1).reshape(g.shape))
         free = self._element_buffers
         try:
             host = free.pop()
@@ -367,9 +370,10 @@ class CupyHook:
             host = self._element_buffer()
         try:
             self._copy_element(host.ptr, ptr, itemsize, data.device_id)
-            # g's own shape: NumPy's conversions then raise where they would
-            # for get()'s array (int() of a 1-d array, NumPy >= 2.5).
-            return numpy.frombuffer(host, dtype, 1).reshape(g.shape).copy()
+            # A view of g's own shape: NumPy's conversions then raise where
+            # they would for get()'s array (int() of a 1-d array, NumPy >=
+            # 2.5); ``to`` returns a Python object, before the buffer is reused.
+            return to(numpy.frombuffer(host, dtype, 1).reshape(g.shape))
         finally:
             free.append(host)  # list.pop/append: each thread that reads at once has its own
 

@@ -197,8 +197,8 @@ class CupyPatches:
             original = getattr(nd, name)
 
             def method(self):
-                x = hook.scalar(self)
-                return original(self) if x is None else to(x)
+                x = hook.scalar(self, to)
+                return original(self) if x is NotImplemented else x
 
             method.__name__, method.__doc__ = name, original.__doc__
             return method

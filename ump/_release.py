@@ -155,18 +155,18 @@ class ReleaseQueue(OnePerCupy):
         and on several GPUs for every GPU with work of this process; then
         release what was deferred on them before the wait began."""
         runtime = self.cupy.cuda.runtime
-        current = runtime.getDevice()
-        if device is None:
-            device = current
-        if (self.one_gpu() and device == current and not self._inbox
-                and not any(list(self._pending.values()))):
-            # One GPU, nothing deferred: the wait alone (a solver's scalar
-            # read each step comes here). An array deferred meanwhile waits
-            # for the next wait, which only keeps it longer.
-            with OwnWaits():  # counted, if at all, by the caller
-                runtime.deviceSynchronize()
+        if self.one_gpu() and not self._inbox and not any(list(self._pending.values())):
+            # One GPU, the current one, and nothing deferred: the wait alone
+            # (a solver's scalar read each step comes here). An array
+            # deferred meanwhile waits for the next wait, which only keeps
+            # it longer. CuPy's own call, from under the wrapper that times
+            # the program's waits (functools.wraps keeps it): this wait is
+            # counted, if at all, by the caller.
+            wait = runtime.deviceSynchronize
+            getattr(wait, "__wrapped__", wait)()
             return
-        self._wait([device], current)
+        current = runtime.getDevice()
+        self._wait([current if device is None else device], current)
 
     def drain(self) -> None:
         """Wait for every device with pending arrays and release them all;
