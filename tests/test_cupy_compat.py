@@ -167,6 +167,27 @@ def test_scalar_conversions_copy_through_the_hook_and_fall_back_to_cupys():
     assert float(ndarray(2)) == 2.0 and "__float__" not in ndarray.__dict__ and len(hook.copied) == 8
 
 
+def test_a_scalar_conversion_keeps_nothing_of_the_reused_buffer():
+    """A scalar read converts a view of the pinned buffer its element was
+    copied into, and reuses the buffer for the next read: nothing returned
+    may still view it. ``item()`` of a structured element returns its
+    subarray fields as arrays, so that element is copied first."""
+    from ump._cupy_hook import _converted
+
+    buffer = bytearray(64)
+    fields = np.dtype([("a", "f8", (2,)), ("b", "i4")])
+    np.frombuffer(buffer, fields, 1)[0] = ((1.0, 2.0), 3)
+    got = _converted(buffer, fields, (), np.ndarray.item)
+    read = [_converted(buffer, np.dtype("f8"), (), float)]
+    buffer[0] = 1
+    read.append(_converted(buffer, np.dtype("?"), (1,), bool))
+    buffer[:] = bytes(64)  # the next read's copy
+    assert got[0].tolist() == [1.0, 2.0] and got[1] == 3
+    assert read == [1.0, True]
+    with pytest.raises(TypeError):  # as NumPy refuses it for get()'s array
+        _converted(buffer, np.dtype("f8"), (1,), int)
+
+
 class _Waits:
     """Stand-ins for CuPy's waits (a stream's, an event's, the device's,
     and its synchronisation detection), each recording what waited."""

@@ -89,6 +89,17 @@ def _block_of(ptr: int, shape, strides, itemsize: int, kinds=GPU_KINDS):
     return kind, base, size, lo, hi, owner
 
 
+def _converted(buffer, dtype, shape, to):
+    """``to`` of the element of ``dtype`` at the start of ``buffer``, seen as
+    an array of ``shape``: ``g``'s own, so NumPy's conversions raise where
+    they would for ``get()``'s array (``int()`` of a 1-d array, NumPy >=
+    2.5). A view, as ``to`` returns Python objects; but ``item()`` of a
+    structured element keeps its subarray fields as arrays, views of the
+    buffer, so a structured element is copied first."""
+    element = numpy.frombuffer(buffer, dtype, 1).reshape(shape)
+    return to(element if dtype.names is None else element.copy())
+
+
 def _layout_ok(a, order) -> bool:
     """Whether ``a`` already has the memory order ``order`` asks for."""
     if order is None or order in ("K", "k"):
@@ -362,7 +373,7 @@ class CupyHook:
         if itemsize > _ELEMENT_BYTES:  # a wide structured element: pageable memory, as stock CuPy's copy
             host = ctypes.create_string_buffer(itemsize)
             self._copy_element(ctypes.addressof(host), ptr, itemsize, data.device_id)
-            return to(numpy.frombuffer(host, dtype, 1).reshape(g.shape))
+            return _converted(host, dtype, g.shape, to)
         free = self._element_buffers
         try:
             host = free.pop()
@@ -370,10 +381,7 @@ class CupyHook:
             host = self._element_buffer()
         try:
             self._copy_element(host.ptr, ptr, itemsize, data.device_id)
-            # A view of g's own shape: NumPy's conversions then raise where
-            # they would for get()'s array (int() of a 1-d array, NumPy >=
-            # 2.5); ``to`` returns a Python object, before the buffer is reused.
-            return to(numpy.frombuffer(host, dtype, 1).reshape(g.shape))
+            return _converted(host, dtype, g.shape, to)  # before the buffer is reused
         finally:
             free.append(host)  # list.pop/append: each thread that reads at once has its own
 
