@@ -67,13 +67,13 @@ def test_on_one_gpu_a_wait_asks_for_no_other():
     log, counts = [], []
     cupy = _fake_cupy(log)
     cupy.cuda.runtime.getDeviceCount = lambda: counts.append(1) or 1
+    cupy.cuda.runtime.getDevice = lambda: 0  # the one GPU is the current one
     queue = ReleaseQueue(cupy, active_devices=lambda: pytest.fail("asked on one GPU"))
     queue.wait_for(0)
     queue.wait_for(0)
-    assert log == [("sync",)] * 2  # the one GPU is the current one: no device entered
     queue.defer(np.ones(4), 0)
-    queue.wait_for(0)  # a release to make: the queue's own wait, on the array's device
-    assert log[2:] == [("enter", 0), ("sync",)] and len(queue) == 0
+    queue.wait_for(0)  # a release to make: the queue's own wait
+    assert log == [("sync",)] * 3 and len(queue) == 0
     assert counts == [1]  # the device count is read once
 
 
@@ -97,22 +97,42 @@ def test_with_nothing_deferred_a_wait_is_the_device_wait_alone():
 
     lock, queue._lock = queue._lock, NoLock()
     queue.wait_for(0)
-    # While enabled, ump times the program's own waits through a wrapper of
-    # CuPy's (functools.wraps): its own wait calls CuPy's, uncounted there.
-    device_wait = cupy.cuda.runtime.deviceSynchronize
-
-    @functools.wraps(device_wait)
-    def timed():
-        pytest.fail("ump's own wait went through the wrapper that times the program's")
-
-    cupy.cuda.runtime.deviceSynchronize = timed
     queue.wait_for()
     assert log == [("sync",)] * 2
-    cupy.cuda.runtime.deviceSynchronize = device_wait
     queue._lock = lock
     queue.defer(np.ones(4), 0)  # one deferred: the next wait releases it
     queue.wait_for(0)
     assert log == [("sync",)] * 3 and len(queue) == 0
+
+
+def test_the_queues_wait_passes_the_programs_wait_wrapper_uncounted():
+    """While enabled, ump times the program's own device waits through a
+    wrapper of CuPy's call (``wrap_waits``); the queue's wait calls CuPy's
+    under ump's wrapper directly, and calls another library's wrapper
+    inside ``OwnWaits``, so that ump's wrapper under it counts nothing."""
+    from ump._cupy_compat import waiting_itself
+
+    log, seen = [], []
+    cupy = _fake_cupy(log)
+    runtime = cupy.cuda.runtime
+    device_wait = runtime.deviceSynchronize
+    queue = ReleaseQueue(cupy)
+
+    def timed():
+        pytest.fail("ump's own wait went through the wrapper that times the program's")
+
+    timed.ump_wrapped = (timed, device_wait)
+    runtime.deviceSynchronize = timed
+    queue.wait_for(0)
+
+    @functools.wraps(timed)  # copies ump_wrapped, as another library's wrapper would
+    def traced():
+        seen.append(waiting_itself())
+        device_wait()
+
+    runtime.deviceSynchronize = traced
+    queue.wait_for(0)
+    assert log == [("sync",)] * 2 and seen == [True] and not waiting_itself()
 
 
 def test_bytes_only_the_queue_holds_drain_every_device():

@@ -433,15 +433,15 @@ class Arena:
         return Statistics._from_c(out)
 
 
-def lookup(ptr: int) -> tuple[str | None, int, int]:
-    """(kind, base, size) of the live ump block holding ``ptr``."""
-    kind, base, size, _ = _ucore.lookup(ptr)
-    return KINDS.get(kind), base, size
-
-
 #: (kind id, base, size, owner) of the live ump block holding an address:
 #: :func:`lookup_owner` without the kind's name (a scalar read's test).
 lookup_ids = _ucore.lookup
+
+
+def lookup(ptr: int) -> tuple[str | None, int, int]:
+    """(kind, base, size) of the live ump block holding ``ptr``."""
+    kind, base, size, _ = lookup_ids(ptr)
+    return KINDS.get(kind), base, size
 
 
 def lookup_owner(ptr: int) -> tuple[str | None, int, int, int]:

@@ -91,9 +91,9 @@ def _block_of(ptr: int, shape, strides, itemsize: int, kinds=GPU_KINDS):
 
 def _converted(buffer, dtype, shape, to):
     """``to`` of the element of ``dtype`` at the start of ``buffer``, seen as
-    an array of ``shape``: ``g``'s own, so NumPy's conversions raise where
-    they would for ``get()``'s array (``int()`` of a 1-d array, NumPy >=
-    2.5). A view, as ``to`` returns Python objects; but ``item()`` of a
+    an array of ``shape``, the CuPy array's: NumPy's conversions then raise
+    where they would for ``get()``'s array (``int()`` of a 1-d array, in
+    recent NumPy). A view, as ``to`` returns Python objects; but ``item()`` of a
     structured element keeps its subarray fields as arrays, views of the
     buffer, so a structured element is copied first."""
     element = numpy.frombuffer(buffer, dtype, 1).reshape(shape)
@@ -181,7 +181,7 @@ class CupyHook:
             with OwnWaits():
                 stream.synchronize()
         else:
-            self.release.wait_for(device)  # its waits are marked OwnWaits there
+            self.release.wait_for(device)  # its waits pass the program's-wait wrapper uncounted
         return self._weigh(start, device, exporting)
 
     def program_wait(self, wait, device: int | None = None):
@@ -352,7 +352,7 @@ class CupyHook:
     def scalar(self, g, to):
         """``to`` (``bool``, ``int``, ``float``, ``complex`` or
         ``numpy.ndarray.item``) of the one element of ``g``, copied to the
-        host once the work queued before has finished; NotImplemented where
+        host once the work queued before has finished; None where
         ``g`` is not one element of managed memory (CuPy's own conversion,
         through :meth:`get`, serves it).
 
@@ -364,12 +364,12 @@ class CupyHook:
         docs/performance.md). Inside a solver's step each Python call here
         costs two to three times what it costs in a loop of reads alone."""
         if g.size != 1:
-            return NotImplemented
+            return None
         data, dtype = g.data, g.dtype
         ptr, itemsize = data.ptr, dtype.itemsize
         kind, base, size, _ = _core.lookup_ids(ptr)  # _block_of's test, for one element
         if kind != _core.KIND_MANAGED or ptr + itemsize > base + size:
-            return NotImplemented
+            return None
         if itemsize > _ELEMENT_BYTES:  # a wide structured element: pageable memory, as stock CuPy's copy
             host = ctypes.create_string_buffer(itemsize)
             self._copy_element(ctypes.addressof(host), ptr, itemsize, data.device_id)

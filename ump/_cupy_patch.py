@@ -88,6 +88,10 @@ class CupyPatches:
         def device_synchronize():
             return hook.program_wait(device_wait)
 
+        # ump's own device waits call CuPy's directly (ReleaseQueue.wait_for);
+        # a wrapper another library puts on top copies this, and is told
+        # apart by the first item.
+        device_synchronize.ump_wrapped = (device_synchronize, device_wait)
         patches.set(streams, "synchronize", stream_synchronize)
         patches.set(runtime, "deviceSynchronize", device_synchronize)
         if runtime.getDeviceCount() != 1:
@@ -198,7 +202,7 @@ class CupyPatches:
 
             def method(self):
                 x = hook.scalar(self, to)
-                return original(self) if x is NotImplemented else x
+                return original(self) if x is None else x
 
             method.__name__, method.__doc__ = name, original.__doc__
             return method

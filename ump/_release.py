@@ -159,11 +159,16 @@ class ReleaseQueue(OnePerCupy):
             # One GPU, the current one, and nothing deferred: the wait alone
             # (a solver's scalar read each step comes here). An array
             # deferred meanwhile waits for the next wait, which only keeps
-            # it longer. CuPy's own call, from under the wrapper that times
-            # the program's waits (functools.wraps keeps it): this wait is
-            # counted, if at all, by the caller.
+            # it longer. This wait is counted, if at all, by the caller: under
+            # ump's wrapper that times the program's waits, CuPy's own call;
+            # under any other, the wrapper, inside OwnWaits.
             wait = runtime.deviceSynchronize
-            getattr(wait, "__wrapped__", wait)()
+            mine = getattr(wait, "ump_wrapped", None)  # (ump's wrapper, CuPy's call), wrap_waits
+            if mine is not None and mine[0] is wait:
+                mine[1]()
+            else:
+                with OwnWaits():
+                    wait()
             return
         current = runtime.getDevice()
         self._wait([current if device is None else device], current)
