@@ -173,6 +173,38 @@ def test_a_scalar_is_the_value_the_kernel_wrote_and_managed_memory_copies_it(gpu
         assert bool(cupy.zeros(0)) is False
 
 
+def test_a_scalar_read_keeps_nothing_of_its_pinned_buffer_and_gives_it_back(gpu_backend):
+    """Managed memory's element is copied into a pinned buffer that the next
+    read reuses: a structured element's subarray field read first keeps its
+    values after a second read, and a conversion that raises still gives
+    the buffer back (no buffer is lost or made per read)."""
+    name, cupy = gpu_backend
+    if name != "managed":
+        pytest.skip(f"backend {name} reads elements through CuPy's own copy, not ump's pinned buffers")
+    hook = ump._enable.current().cupy
+    fields = np.dtype([("a", "f8", (2,)), ("b", "i8")])  # 24 bytes: within the pinned buffer
+    host = np.zeros(2, dtype=fields)
+    host[0], host[1] = ((1.0, 2.0), 3), ((4.0, 5.0), 6)
+    g = cupy.asarray(host.view(np.float64))
+    records = cupy.ndarray((2,), fields, g.data)
+    first = records[0].item()
+    second = records[1].item()
+    assert first[0].tolist() == [1.0, 2.0] and first[1] == 3, first
+    assert second[0].tolist() == [4.0, 5.0] and second[1] == 6, second
+    buffers = list(hook._element_buffers)
+    for i in range(4):
+        records[i % 2].item()
+    assert buffers and hook._element_buffers == buffers, "a read made or kept a buffer of its own"
+
+    def refuse(value):
+        raise LookupError(f"refused {value!r}")
+
+    with pytest.raises(LookupError, match="refused"):
+        hook.scalar(g[1], refuse)
+    assert hook._element_buffers == buffers
+    assert float(g[1]) == 2.0 and hook._element_buffers == buffers
+
+
 def test_a_scalar_read_queues_its_copy_behind_every_blocking_streams_kernel(gpu_backend, monkeypatch):
     """While every stream is one the legacy default stream follows (the
     default ones, blocking streams), a scalar of managed memory is copied
