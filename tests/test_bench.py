@@ -172,7 +172,7 @@ def test_compare_with_a_missing_or_foreign_file(tmp_path):
     assert "other.json is not a bench report" in line
     (tmp_path / "text.json").write_text("not json")
     assert "text.json is not JSON" in _usage_error(_bench(tmp_path, "--compare", "text.json"))
-    assert "--input needs --compare" in _usage_error(_bench(tmp_path, "--input", "text.json"))
+    assert "--input: text.json is not JSON" in _usage_error(_bench(tmp_path, "--input", "text.json"))
 
 
 @pytest.mark.parametrize("rounds", ["0", "-1", "two"])
@@ -588,6 +588,61 @@ def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, mon
     assert ", GPU 0.750 s, exit 0" in err.getvalue()
     text = programs.table({"configs": ["stock", "auto"], "results": results})
     assert "| cg | " in text and "geometric mean of stock / auto, printed GPU time: 1.000" in text
+
+
+def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monkeypatch, caps):
+    """The programs suite takes many minutes: after each recorded run the
+    report of what finished is written, marked partial, so a run stopped
+    midway (the machine taken back, Ctrl-C) still gives its table;
+    ``--input`` alone prints a saved report's tables."""
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(tmp_path / "log"))
+    prog = programs.Program("cg", "cg/cg.py", (), programs._GPU_SECONDS, gpus=0)  # runs here, GPU or not
+    out, saved = tmp_path / "out" / "bench.json", []
+
+    def checkpoint(partial):
+        bench._write(str(out), partial)
+        saved.append(json.loads(out.read_text()))
+        if len(saved) == 3:
+            raise KeyboardInterrupt  # the fourth of four recorded runs never finishes
+
+    with pytest.raises(KeyboardInterrupt):
+        bench._run([], False, ["stock", "auto"], 2, io.StringIO(), caps, {"cupy": str(tmp_path)}, (prog,),
+                   checkpoint)
+    report = json.loads(out.read_text())
+    per = report["results"]["program cg"]
+    assert report["partial"] is True and report["rounds"] == 2 and report["configs"] == ["stock", "auto"]
+    assert per["auto"]["round_gpu"] == [0.75e6] and per["stock"]["round_gpu"] == [0.75e6, 0.75e6]
+    assert per["stock"]["gpu"]["median"] == 0.75e6 and per["auto"]["cpu"]["n"] == 1
+    assert [len(s["results"]["program cg"].get("stock", {}).get("round_cpu", ())) for s in saved] == [0, 1, 2]
+    assert not list(out.parent.glob("*.part"))
+    shown = _bench(tmp_path, "--input", str(out))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("A partial report: the run stopped before its end")
+    assert "| cg | " in shown.stdout and "printed GPU time: 1.000" in shown.stdout
+
+
+def test_each_configurations_process_leaves_a_partial_report(monkeypatch):
+    """Between the configurations' processes too, the report so far is
+    handed to the checkpoint, summarised as the final one; the final report
+    is not marked partial."""
+    timings = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 3.0, 2.0], "gpu": []},
+               bench.PROCESS_KEY: {"ump_imported": False}}
+
+    def worker(cmd, *args, **kw):
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(timings), stderr="")
+
+    monkeypatch.setattr(bench_progress, "run_worker", worker)
+    saved = []
+    final = bench.run(suites=["alloc_numpy"], configs=["stock"], rounds=2, progress=io.StringIO(),
+                      checkpoint=lambda partial: saved.append(copy.deepcopy(partial)))
+    assert [s["results"]["np.empty 64B"]["stock"]["round_cpu"] for s in saved] == [[2.0], [2.0, 2.0]]
+    assert all(s["partial"] is True and "cpus" in s for s in saved)
+    assert saved[0]["results"]["np.empty 64B"]["stock"]["cpu"]["n"] == 3
+    assert "partial" not in final and final["results"] == saved[-1]["results"]
 
 
 def test_the_programs_table_says_which_programs_stay_within_the_bound():

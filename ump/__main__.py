@@ -199,7 +199,8 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     bench.add_argument("--output", default="bench-results/bench.json", help="JSON file to write (%(default)s)")
     bench.add_argument("--plot", default="bench-results/interop.png", help="PNG plot to write (%(default)s)")
     bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
-    bench.add_argument("--input", metavar="NEW.json", help="with --compare: compare this file, run nothing")
+    bench.add_argument("--input", metavar="NEW.json",
+                       help="run nothing: print this saved report's tables (with --compare: compare it)")
     bench.add_argument("--threshold", type=float, default=1.25, help="slow-down ratio to flag (%(default)s)")
     bench.add_argument("--programs", metavar="DIR", action="append",
                        help="a folder of programs the programs suite runs: CuPy's examples/, a PyLops checkout "

@@ -141,7 +141,7 @@ def _record(raw: dict, skipped: dict, timings: dict, config: str, progress) -> N
 
 
 def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
-        programs_dir=None, cpus=None, only=None) -> dict:
+        programs_dir=None, cpus=None, only=None, checkpoint=None) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
     (stock, imported, backend, stock, ...), so that slow drift of the machine
     spreads over all configurations; repeats of all rounds are pooled. A
@@ -152,6 +152,10 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     ``"cpus"`` keeps; ``"processes"`` says where each configuration's ran.
     ``only`` (``bench --only``): the names of the programs the programs
     suite runs (:func:`ump.bench.programs.select`); None: all.
+    ``checkpoint(report)``, if given, is called with the report of what has
+    finished, ``"partial": True`` in it, after each configuration's process
+    and each program's run: a run cut short (the machine taken back, Ctrl-C)
+    keeps what it measured.
 
     Raises
     ------
@@ -200,8 +204,9 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     elif set(suites) & CONFIG_FREE and "imported" not in configs:
         configs = [*configs, "imported"]
     pinned, before = _pin(cpus, progress) if cpus is not None else (None, None)
+    saved = None if checkpoint is None else (lambda partial: checkpoint({**partial, "cpus": pinned}))
     try:
-        report = _run(suites, smoke, configs, rounds, progress, caps, found, selected)
+        report = _run(suites, smoke, configs, rounds, progress, caps, found, selected, saved)
     finally:
         if before is not None:
             _cpus.pin(before)
@@ -223,9 +228,15 @@ def _pin(spec: str, progress) -> tuple[dict, set]:
     return {"asked": spec, "used": chosen}, set(usable)
 
 
-def _run(suites, smoke, configs, rounds, progress, caps, found, selected=()) -> dict:
+def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), checkpoint=None) -> dict:
     """The run itself, its arguments checked (:func:`run`)."""
     raw, skipped, processes = {}, {}, []
+
+    def report(results, skipped_cases, **more):
+        return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped_cases,
+                "processes": processes, **more}
+
     t_start = time.perf_counter()
     steps = [(r, c) for r in range(rounds) for c in configs] if suites else []
     shown = _progress.Progress([(c, s) for _, c in steps for s in _progress.suites_in(c, suites, CONFIG_FREE)],
@@ -242,20 +253,29 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected=()) -> 
             raise RuntimeError("the stock configuration's process imported ump")
         processes.append({"round": r + 1, "config": config, "cpus": process.get("cpus")})
         _record(raw, skipped, timings, config, progress)
+        if checkpoint is not None and raw:
+            checkpoint(report(_summarised(raw), skipped, partial=True))
     shown.close()
-    results = {}
-    for case, per in raw.items():
-        results[case] = {"suite": per.pop("suite")}
-        for config, e in per.items():
-            results[case][config] = {"cpu": summary(e["cpu_times"]), "gpu": summary(e["gpu_times"]), **e}
+    results = _summarised(raw)
     if found is not None:
+        def programs_so_far(ran, not_run):
+            checkpoint(report({**results, **ran}, {**skipped, **not_run}, partial=True))
+
         ran, not_run = programs.run([c for c in configs if c != "imported"], rounds, found,
-                                    gpus=len(caps.devices), programs=selected, progress=progress)
+                                    gpus=len(caps.devices), programs=selected, progress=progress,
+                                    checkpoint=None if checkpoint is None else programs_so_far)
         results.update(ran)
         skipped.update(not_run)
-    return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped,
-            "processes": processes}
+    return report(results, skipped)
+
+
+def _summarised(raw: dict) -> dict:
+    """The report's results from :func:`_record`'s ``raw``: each entry with
+    its ``cpu`` and ``gpu`` summaries."""
+    return {case: {"suite": per["suite"],
+                   **{config: {"cpu": summary(e["cpu_times"]), "gpu": summary(e["gpu_times"]), **e}
+                      for config, e in per.items() if config != "suite"}}
+            for case, per in raw.items()}
 
 
 def overhead(report, cases=("add 100x100", "divide 100x100", "divmod 100x100")) -> list[str]:
@@ -401,40 +421,60 @@ def _load(option: str, path: str) -> dict:
     return report
 
 
+def _write(path: str, report: dict) -> None:
+    """Write ``report`` to ``path`` whole or not at all: into a file beside
+    it, then renamed over it, so a run killed while it writes a checkpoint
+    leaves the one before."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    part = f"{path}.part"
+    with open(part, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(part, path)
+
+
+def _print_tables(report: dict) -> None:
+    """What a run prints: the cases' table, the programs' table and the
+    overhead on dispatch; first, for a run cut short, that it was."""
+    if report.get("partial"):
+        print("A partial report: the run stopped before its end; below, what had finished.\n")
+    print(table(report))
+    text = programs.table(report)
+    if text:
+        print("\nPrograms (wall time and the GPU time each program prints, against stock):")
+        print(text)
+    lines = overhead(report)
+    if lines:
+        print("\nOverhead on dispatch (CPU time):")
+        print("\n".join(lines))
+
+
 def _has_interop_cases(report) -> bool:
     return any(case.split()[0] in INTEROP_OPS for case in report["results"])
 
 
 def main(args) -> int:
     """``python -m ump bench``. Bad arguments raise :class:`ArgumentError`
-    before anything runs or is written."""
-    if args.input and not args.compare:
-        raise ArgumentError("--input needs --compare")
+    before anything runs or is written. ``--input`` without ``--compare``
+    prints a saved report's tables (a run cut short included)."""
     old = _load("--compare", args.compare) if args.compare else None  # before a long run, not after
-    if args.compare and args.input:
+    if args.input:
         report = _load("--input", args.input)
+        if not args.compare:
+            _print_tables(report)
+            return 0
     else:
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
         report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
                      programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None),
-                     only=args.only.split(",") if getattr(args, "only", None) is not None else None)
+                     only=args.only.split(",") if getattr(args, "only", None) is not None else None,
+                     checkpoint=lambda partial: _write(args.output, partial))
         if not report["results"]:
             # keep what an earlier run wrote rather than replace it with nothing
             print(f"bench: the run produced no results; {args.output} not written", file=sys.stderr)
             return 1
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=1)
-        print(table(report))
-        text = programs.table(report)
-        if text:
-            print("\nPrograms (wall time and the GPU time each program prints, against stock):")
-            print(text)
-        lines = overhead(report)
-        if lines:
-            print("\nOverhead on dispatch (CPU time):")
-            print("\n".join(lines))
+        _write(args.output, report)
+        _print_tables(report)
         print(f"\nJSON: {args.output}")
         if args.plot:
             if not _has_interop_cases(report):

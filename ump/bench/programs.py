@@ -324,11 +324,13 @@ def _record(results: dict, program: Program, config: str, one: dict) -> None:
 
 
 def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, timeout: float = 600,
-        programs=PROGRAMS, progress=sys.stderr) -> tuple[dict, dict]:
+        programs=PROGRAMS, progress=sys.stderr, checkpoint=None) -> tuple[dict, dict]:
     """(results, skipped): per program and configuration, the wall and
     printed GPU times of ``rounds`` runs (microseconds, as the other suites),
     after ``warmup`` rounds that are not recorded. ``found``: the folders by
-    source (:func:`folders`)."""
+    source (:func:`folders`). ``checkpoint(results, skipped)``, if given, is
+    called after each recorded run with what has finished so far, summarised
+    as at the end: a run of many minutes that is cut short keeps its table."""
     found = {name: os.path.abspath(path) for name, path in found.items()}  # the programs run elsewhere
     skipped, results = {}, {}
     with tempfile.TemporaryDirectory() as cwd:
@@ -365,11 +367,19 @@ def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, ti
                           file=progress, flush=True)
                     if r >= warmup:
                         _record(results, program, config, one)
+                        if checkpoint is not None:
+                            checkpoint(_summarised(results), skipped)
+    return _summarised(results), skipped
+
+
+def _summarised(results: dict) -> dict:
+    """``results`` (by program, then configuration) with each entry's
+    ``cpu`` and ``gpu`` summaries, as the report keeps them."""
     for per in results.values():
         for config, e in per.items():
             if config != "suite":
                 e["cpu"], e["gpu"] = summary(e["cpu_times"]), summary(e["gpu_times"])
-    return results, skipped
+    return results
 
 
 def _ratio(entry, base, key):
