@@ -50,6 +50,7 @@ def test_smoke_run_and_compare_cli(tmp_path):
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert "np.empty 1MiB" in report["results"] and "stock" in report["configs"]
+    assert "partial" not in report and not (tmp_path / "a.partial.json").exists()
     assert "| np.empty 64B |" in run.stdout
     # the same run compared with itself passes...
     same = _bench(tmp_path, "--compare", str(out), "--input", str(out))
@@ -170,6 +171,8 @@ def test_compare_with_a_missing_or_foreign_file(tmp_path):
     (tmp_path / "other.json").write_text('{"a": 1}')
     line = _usage_error(_bench(tmp_path, "--compare", "other.json", "--input", "other.json"))
     assert "other.json is not a bench report" in line
+    (tmp_path / "no_configs.json").write_text('{"results": {}}')
+    assert "is not a bench report" in _usage_error(_bench(tmp_path, "--input", "no_configs.json"))
     (tmp_path / "text.json").write_text("not json")
     assert "text.json is not JSON" in _usage_error(_bench(tmp_path, "--compare", "text.json"))
     assert "--input: text.json is not JSON" in _usage_error(_bench(tmp_path, "--input", "text.json"))
@@ -604,24 +607,23 @@ def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monke
     out, saved = tmp_path / "out" / "bench.json", []
 
     def checkpoint(partial):
-        bench._write(str(out), partial)
+        bench._write_report(str(out), partial)
         saved.append(json.loads(out.read_text()))
         if len(saved) == 3:
             raise KeyboardInterrupt  # the fourth of four recorded runs never finishes
 
     with pytest.raises(KeyboardInterrupt):
         bench._run([], False, ["stock", "auto"], 2, io.StringIO(), caps, {"cupy": str(tmp_path)}, (prog,),
-                   checkpoint)
+                   checkpoint=checkpoint)
     report = json.loads(out.read_text())
     per = report["results"]["program cg"]
     assert report["partial"] is True and report["rounds"] == 2 and report["configs"] == ["stock", "auto"]
     assert per["auto"]["round_gpu"] == [0.75e6] and per["stock"]["round_gpu"] == [0.75e6, 0.75e6]
     assert per["stock"]["gpu"]["median"] == 0.75e6 and per["auto"]["cpu"]["n"] == 1
     assert [len(s["results"]["program cg"].get("stock", {}).get("round_cpu", ())) for s in saved] == [0, 1, 2]
-    assert not list(out.parent.glob("*.part"))
     shown = _bench(tmp_path, "--input", str(out))
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.startswith("A partial report: the run stopped before its end")
+    assert shown.stdout.startswith("A partial report, written before its run ended")
     assert "| cg | " in shown.stdout and "printed GPU time: 1.000" in shown.stdout
 
 
@@ -638,11 +640,64 @@ def test_each_configurations_process_leaves_a_partial_report(monkeypatch):
     monkeypatch.setattr(bench_progress, "run_worker", worker)
     saved = []
     final = bench.run(suites=["alloc_numpy"], configs=["stock"], rounds=2, progress=io.StringIO(),
-                      checkpoint=lambda partial: saved.append(copy.deepcopy(partial)))
+                      checkpoint=saved.append)
+    # each a copy: the first still says one process after the second ran
     assert [s["results"]["np.empty 64B"]["stock"]["round_cpu"] for s in saved] == [[2.0], [2.0, 2.0]]
-    assert all(s["partial"] is True and "cpus" in s for s in saved)
+    assert [len(s["processes"]) for s in saved] == [1, 2]
+    assert all(s["partial"] is True and s["cpus"] == final["cpus"] for s in saved)
     assert saved[0]["results"]["np.empty 64B"]["stock"]["cpu"]["n"] == 3
     assert "partial" not in final and final["results"] == saved[-1]["results"]
+
+
+def _bench_args(tmp_path, **more):
+    return argparse.Namespace(**{**dict(compare=None, input=None, suites="alloc_numpy", configs="stock", smoke=True,
+                                        rounds=2, output=str(tmp_path / "bench.json"), plot="", threshold=1.25),
+                                 **more})
+
+
+def test_the_command_keeps_the_last_report_whole_until_its_run_ends(tmp_path, monkeypatch, capsys):
+    """``python -m ump bench`` writes what has finished beside --output
+    (``bench.partial.json``), so a run cut short leaves the report before
+    (often --compare's) as it was; a finished run writes the whole report
+    and removes the partial one."""
+    calls = []
+
+    def worker(cmd, *args, **kw):
+        calls.append(cmd)
+        if len(calls) == 2:
+            return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="the machine was taken back")
+        timings = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 3.0, 2.0], "gpu": []},
+                   bench.PROCESS_KEY: {"ump_imported": False}}
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(timings), stderr="")
+
+    monkeypatch.setattr(bench_progress, "run_worker", worker)
+    out, partial = tmp_path / "bench.json", tmp_path / "bench.partial.json"
+    out.write_text(json.dumps(_report(100.0)))
+    with pytest.raises(RuntimeError, match="taken back"):
+        bench.main(_bench_args(tmp_path, compare=str(out)))
+    assert json.loads(out.read_text()) == _report(100.0)
+    cut = json.loads(partial.read_text())
+    assert cut["partial"] is True and cut["results"]["np.empty 64B"]["stock"]["round_cpu"] == [2.0]
+    assert "cpus" in cut and cut["rounds"] == 2
+    assert bench.main(_bench_args(tmp_path)) == 0
+    assert not partial.exists() and "partial" not in json.loads(out.read_text())
+    assert "A partial report" not in capsys.readouterr().out
+
+
+def test_a_partial_report_that_cannot_be_written_does_not_stop_the_run(tmp_path, monkeypatch, capsys):
+    """A checkpoint is there to keep figures: one that fails (here its path
+    is a folder) is said once on stderr, leaves no file half written, and
+    the run ends with its whole report."""
+    timings = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 3.0, 2.0], "gpu": []},
+               bench.PROCESS_KEY: {"ump_imported": False}}
+    monkeypatch.setattr(bench_progress, "run_worker", lambda cmd, *a, **k: subprocess.CompletedProcess(
+        cmd, 0, stdout=json.dumps(timings), stderr=""))
+    (tmp_path / "bench.partial.json").mkdir()
+    assert bench.main(_bench_args(tmp_path)) == 0
+    err = capsys.readouterr().err
+    assert err.count("cannot write") == 1 and "the run goes on" in err
+    assert json.loads((tmp_path / "bench.json").read_text())["results"]["np.empty 64B"]["stock"]["cpu"]["n"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.partial.json"]
 
 
 def test_the_programs_table_says_which_programs_stay_within_the_bound():

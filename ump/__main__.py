@@ -235,6 +235,7 @@ def _bench(parser, args) -> int:
 
     if not args.input:
         _check_writable(parser, "--output", args.output)
+        _check_writable(parser, "--output", bench_mod.partial_path(args.output))  # written while it runs
         if args.plot:
             _check_writable(parser, "--plot", args.plot)
     try:

@@ -14,6 +14,7 @@ people's programs unedited, each run a process of its own.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -25,7 +26,7 @@ from .. import _probe, backends
 from .._version import pip_install
 from . import cpus as _cpus
 from . import programs
-from .summary import round_ratios, summary
+from .summary import round_ratios, summarised, summary
 from . import progress as _progress
 from .cases import CONFIG_FREE, CPU_SUITES, GPU_SUITES, ON_REQUEST
 
@@ -152,10 +153,11 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     ``"cpus"`` keeps; ``"processes"`` says where each configuration's ran.
     ``only`` (``bench --only``): the names of the programs the programs
     suite runs (:func:`ump.bench.programs.select`); None: all.
-    ``checkpoint(report)``, if given, is called with the report of what has
-    finished, ``"partial": True`` in it, after each configuration's process
-    and each program's run: a run cut short (the machine taken back, Ctrl-C)
-    keeps what it measured.
+    ``checkpoint(report)``, if given, is called with a copy of the report
+    of what has finished, ``"partial": True`` in it, after each
+    configuration's process that recorded a case and after each recorded
+    run of the programs suite: a run cut short (the machine taken back,
+    Ctrl-C) keeps what it measured.
 
     Raises
     ------
@@ -204,14 +206,11 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     elif set(suites) & CONFIG_FREE and "imported" not in configs:
         configs = [*configs, "imported"]
     pinned, before = _pin(cpus, progress) if cpus is not None else (None, None)
-    saved = None if checkpoint is None else (lambda partial: checkpoint({**partial, "cpus": pinned}))
     try:
-        report = _run(suites, smoke, configs, rounds, progress, caps, found, selected, saved)
+        return _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned, checkpoint)
     finally:
         if before is not None:
             _cpus.pin(before)
-    report["cpus"] = pinned
-    return report
 
 
 def _pin(spec: str, progress) -> tuple[dict, set]:
@@ -228,14 +227,19 @@ def _pin(spec: str, progress) -> tuple[dict, set]:
     return {"asked": spec, "used": chosen}, set(usable)
 
 
-def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), checkpoint=None) -> dict:
+def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), pinned=None,
+         checkpoint=None) -> dict:
     """The run itself, its arguments checked (:func:`run`)."""
     raw, skipped, processes = {}, {}, []
 
-    def report(results, skipped_cases, **more):
+    def report_of(results, skipped_cases):
         return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped_cases,
-                "processes": processes, **more}
+                "processes": processes, "cpus": pinned}
+
+    def save(results, skipped_cases):
+        """The checkpoint's report: a copy, which the run goes on without changing."""
+        checkpoint({**copy.deepcopy(report_of(results, skipped_cases)), "partial": True})
 
     t_start = time.perf_counter()
     steps = [(r, c) for r in range(rounds) for c in configs] if suites else []
@@ -254,28 +258,17 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), che
         processes.append({"round": r + 1, "config": config, "cpus": process.get("cpus")})
         _record(raw, skipped, timings, config, progress)
         if checkpoint is not None and raw:
-            checkpoint(report(_summarised(raw), skipped, partial=True))
+            save(summarised(raw), skipped)
     shown.close()
-    results = _summarised(raw)
+    results = summarised(raw)
     if found is not None:
-        def programs_so_far(ran, not_run):
-            checkpoint(report({**results, **ran}, {**skipped, **not_run}, partial=True))
-
-        ran, not_run = programs.run([c for c in configs if c != "imported"], rounds, found,
-                                    gpus=len(caps.devices), programs=selected, progress=progress,
-                                    checkpoint=None if checkpoint is None else programs_so_far)
+        ran, not_run = programs.run(
+            [c for c in configs if c != "imported"], rounds, found, gpus=len(caps.devices), programs=selected,
+            progress=progress,
+            checkpoint=None if checkpoint is None else lambda r, n: save({**results, **r}, {**skipped, **n}))
         results.update(ran)
         skipped.update(not_run)
-    return report(results, skipped)
-
-
-def _summarised(raw: dict) -> dict:
-    """The report's results from :func:`_record`'s ``raw``: each entry with
-    its ``cpu`` and ``gpu`` summaries."""
-    return {case: {"suite": per["suite"],
-                   **{config: {"cpu": summary(e["cpu_times"]), "gpu": summary(e["gpu_times"]), **e}
-                      for config, e in per.items() if config != "suite"}}
-            for case, per in raw.items()}
+    return report_of(results, skipped)
 
 
 def overhead(report, cases=("add 100x100", "divide 100x100", "divmod 100x100")) -> list[str]:
@@ -416,27 +409,72 @@ def _load(option: str, path: str) -> dict:
         raise ArgumentError(f"{option}: cannot read {path}: {err}") from None
     except json.JSONDecodeError as err:
         raise ArgumentError(f"{option}: {path} is not JSON: {err}") from None
-    if not isinstance(report, dict) or not isinstance(report.get("results"), dict):
-        raise ArgumentError(f"{option}: {path} is not a bench report (no 'results')")
+    if (not isinstance(report, dict) or not isinstance(report.get("results"), dict)
+            or not isinstance(report.get("configs"), list)):
+        raise ArgumentError(f"{option}: {path} is not a bench report (no 'results' and 'configs')")
     return report
 
 
-def _write(path: str, report: dict) -> None:
+def partial_path(output: str) -> str:
+    """Where a run writes the report of what has finished while it runs:
+    beside ``output`` (``bench.json``: ``bench.partial.json``), so that
+    ``output``, the last finished run's report (and ``--compare``'s file,
+    often), stays whole until the run ends."""
+    root, ext = os.path.splitext(output)
+    return f"{root}.partial{ext or '.json'}"
+
+
+def _write_report(path: str, report: dict) -> None:
     """Write ``report`` to ``path`` whole or not at all: into a file beside
-    it, then renamed over it, so a run killed while it writes a checkpoint
-    leaves the one before."""
+    it, then renamed over it, so a run killed while it writes leaves the
+    file before."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     part = f"{path}.part"
-    with open(part, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(part, path)
+    try:
+        with open(part, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(part, path)
+    except BaseException:
+        try:
+            os.unlink(part)
+        except OSError:
+            pass
+        raise
+
+
+class _Checkpoints:
+    """The bench command's checkpoint (:func:`run`): each partial report to
+    :func:`partial_path` of the output. One it cannot write (disk full) is
+    said once on stderr and the run goes on without them: they exist to
+    keep a run's figures, never to stop it."""
+
+    def __init__(self, output: str):
+        self.path = partial_path(output)
+        self.written = self.failed = False
+
+    def __call__(self, report: dict) -> None:
+        if self.failed:
+            return
+        try:
+            _write_report(self.path, report)
+            self.written = True
+        except OSError as err:
+            self.failed = True
+            print(f"bench: cannot write {self.path} ({err.strerror or err}); the run goes on, "
+                  f"its report is written at its end", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        """The whole report is written: the partial one this run wrote goes."""
+        if self.written:
+            os.unlink(self.path)
 
 
 def _print_tables(report: dict) -> None:
     """What a run prints: the cases' table, the programs' table and the
-    overhead on dispatch; first, for a run cut short, that it was."""
+    overhead on dispatch; first, for a partial report, that it is one."""
     if report.get("partial"):
-        print("A partial report: the run stopped before its end; below, what had finished.\n")
+        print("A partial report, written before its run ended (stopped, or still running): "
+              "what had finished.\n")
     print(table(report))
     text = programs.table(report)
     if text:
@@ -454,8 +492,10 @@ def _has_interop_cases(report) -> bool:
 
 def main(args) -> int:
     """``python -m ump bench``. Bad arguments raise :class:`ArgumentError`
-    before anything runs or is written. ``--input`` without ``--compare``
-    prints a saved report's tables (a run cut short included)."""
+    before anything runs or is written. While the run goes on, what has
+    finished is written to :func:`partial_path` of ``--output``, which the
+    finished report replaces. ``--input`` without ``--compare`` prints a
+    saved report's tables (a partial one included)."""
     old = _load("--compare", args.compare) if args.compare else None  # before a long run, not after
     if args.input:
         report = _load("--input", args.input)
@@ -465,16 +505,18 @@ def main(args) -> int:
     else:
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
+        checkpoint = _Checkpoints(args.output)
         report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
                      programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None),
                      only=args.only.split(",") if getattr(args, "only", None) is not None else None,
-                     checkpoint=lambda partial: _write(args.output, partial))
+                     checkpoint=checkpoint)
         if not report["results"]:
             # keep what an earlier run wrote rather than replace it with nothing
             print(f"bench: the run produced no results; {args.output} not written", file=sys.stderr)
             return 1
-        _write(args.output, report)
         _print_tables(report)
+        _write_report(args.output, report)
+        checkpoint.done()
         print(f"\nJSON: {args.output}")
         if args.plot:
             if not _has_interop_cases(report):
@@ -488,6 +530,9 @@ def main(args) -> int:
                     print(f"plot not written ({args.plot}): matplotlib is not installed "
                           f"({pip_install('bench')})", file=sys.stderr)
     if args.compare:
+        if report.get("partial"):
+            print(f"bench: {args.input} is a partial report: its cases that did not run are not compared",
+                  file=sys.stderr)
         slow = compare(old, report, threshold=args.threshold)
         for line in slow:
             print(f"SLOWER: {line}")

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from .summary import round_pairs, round_ratios, summary
+from .summary import round_pairs, round_ratios, summarised
 
 __all__ = ["PROGRAMS", "SOURCES", "ENV", "Program", "Source", "command", "docstring_script", "folders",
            "run", "table"]
@@ -329,8 +329,9 @@ def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, ti
     printed GPU times of ``rounds`` runs (microseconds, as the other suites),
     after ``warmup`` rounds that are not recorded. ``found``: the folders by
     source (:func:`folders`). ``checkpoint(results, skipped)``, if given, is
-    called after each recorded run with what has finished so far, summarised
-    as at the end: a run of many minutes that is cut short keeps its table."""
+    called after each recorded run (the warm-up's are not) with copies of
+    what has finished so far, summarised as at the end: a run of many
+    minutes that is cut short keeps its table."""
     found = {name: os.path.abspath(path) for name, path in found.items()}  # the programs run elsewhere
     skipped, results = {}, {}
     with tempfile.TemporaryDirectory() as cwd:
@@ -368,18 +369,8 @@ def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, ti
                     if r >= warmup:
                         _record(results, program, config, one)
                         if checkpoint is not None:
-                            checkpoint(_summarised(results), skipped)
-    return _summarised(results), skipped
-
-
-def _summarised(results: dict) -> dict:
-    """``results`` (by program, then configuration) with each entry's
-    ``cpu`` and ``gpu`` summaries, as the report keeps them."""
-    for per in results.values():
-        for config, e in per.items():
-            if config != "suite":
-                e["cpu"], e["gpu"] = summary(e["cpu_times"]), summary(e["gpu_times"])
-    return results
+                            checkpoint(summarised(results), dict(skipped))
+    return summarised(results), skipped
 
 
 def _ratio(entry, base, key):

@@ -3,9 +3,10 @@ and each round's ratio to the same round of another configuration."""
 
 from __future__ import annotations
 
+import copy
 import statistics
 
-__all__ = ["summary", "round_pairs", "round_ratios"]
+__all__ = ["summary", "summarised", "round_pairs", "round_ratios"]
 
 
 def summary(times):
@@ -15,6 +16,21 @@ def summary(times):
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return {"median": statistics.median(times), "q1": q[0], "q3": q[2],
             "min": min(times), "max": max(times), "n": len(times)}
+
+
+def summarised(results: dict) -> dict:
+    """A copy of ``results`` (by case, then ``"suite"`` and each
+    configuration's recorded times) with each entry's ``cpu`` and ``gpu``
+    summaries, as a report keeps them; ``results`` itself is not changed,
+    so the copy stays as it is while a run goes on adding to ``results``."""
+    out = {}
+    for case, per in results.items():
+        out[case] = {"suite": per["suite"]}
+        for config, e in per.items():
+            if config != "suite":
+                out[case][config] = {"cpu": summary(e["cpu_times"]), "gpu": summary(e["gpu_times"]),
+                                     **copy.deepcopy(e)}
+    return out
 
 
 def round_pairs(entry, base, key):
