@@ -136,6 +136,16 @@ def test_a_writable_output_is_checked_without_a_trace(tmp_path):
     out = tmp_path / "new" / "r.json"
     run = _bench(tmp_path, "--suites", "interop", "--output", str(out))  # refused later, or run on a GPU
     assert run.returncode in (0, 2) and (out.exists() == (run.returncode == 0)), run.stderr
+    assert not (tmp_path / "new" / "r.partial.json").exists()
+
+
+def test_an_output_whose_partial_report_cannot_be_written_is_refused(tmp_path):
+    """The partial reports go beside --output: a path there the run could
+    not write is refused before anything runs, as --output itself is."""
+    (tmp_path / "r.partial.json").mkdir()
+    line = _usage_error(_bench(tmp_path, "--smoke", "--output", str(tmp_path / "r.json"), "--plot", ""))
+    assert line.endswith(f"--output: cannot write {tmp_path / 'r.partial.json'}: Is a directory")
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_unknown_suite_names_the_known_ones(tmp_path):
@@ -595,32 +605,38 @@ def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, mon
 
 def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monkeypatch, caps):
     """The programs suite takes many minutes: after each recorded run the
-    report of what finished is written, marked partial, so a run stopped
-    midway (the machine taken back, Ctrl-C) still gives its table;
-    ``--input`` alone prints a saved report's tables."""
+    report of what finished is written beside the output, marked partial,
+    each a copy the run does not change afterwards, so a run stopped midway
+    (the machine taken back, Ctrl-C) still gives its table; ``--input``
+    alone prints a saved report's tables."""
     from ump.bench import programs
 
     (tmp_path / "cg").mkdir()
     (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
     monkeypatch.setenv("FAKE_PROGRAM_LOG", str(tmp_path / "log"))
     prog = programs.Program("cg", "cg/cg.py", (), programs._GPU_SECONDS, gpus=0)  # runs here, GPU or not
-    out, saved = tmp_path / "out" / "bench.json", []
+    writer, saved = bench._Checkpoints(str(tmp_path / "out" / "bench.json")), []
 
     def checkpoint(partial):
-        bench._write_report(str(out), partial)
-        saved.append(json.loads(out.read_text()))
+        writer(partial)
+        saved.append(partial)
         if len(saved) == 3:
             raise KeyboardInterrupt  # the fourth of four recorded runs never finishes
 
     with pytest.raises(KeyboardInterrupt):
         bench._run([], False, ["stock", "auto"], 2, io.StringIO(), caps, {"cupy": str(tmp_path)}, (prog,),
                    checkpoint=checkpoint)
+    out = tmp_path / "out" / "bench.partial.json"
     report = json.loads(out.read_text())
     per = report["results"]["program cg"]
     assert report["partial"] is True and report["rounds"] == 2 and report["configs"] == ["stock", "auto"]
     assert per["auto"]["round_gpu"] == [0.75e6] and per["stock"]["round_gpu"] == [0.75e6, 0.75e6]
     assert per["stock"]["gpu"]["median"] == 0.75e6 and per["auto"]["cpu"]["n"] == 1
+    assert report["results"] == saved[-1]["results"]
+    # round 1 runs auto, then stock; round 2 stock first: each report as it was handed over
     assert [len(s["results"]["program cg"].get("stock", {}).get("round_cpu", ())) for s in saved] == [0, 1, 2]
+    assert [s["results"]["program cg"]["auto"]["cpu"]["n"] for s in saved] == [1, 1, 1]
+    assert not list(out.parent.glob("*.part")) and not (tmp_path / "out" / "bench.json").exists()
     shown = _bench(tmp_path, "--input", str(out))
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("A partial report, written before its run ended")
@@ -679,9 +695,16 @@ def test_the_command_keeps_the_last_report_whole_until_its_run_ends(tmp_path, mo
     cut = json.loads(partial.read_text())
     assert cut["partial"] is True and cut["results"]["np.empty 64B"]["stock"]["round_cpu"] == [2.0]
     assert "cpus" in cut and cut["rounds"] == 2
-    assert bench.main(_bench_args(tmp_path)) == 0
+    assert "what had finished is in " + str(partial) in capsys.readouterr().err
+    with pytest.raises(bench.ArgumentError, match="writes its partial reports there"):
+        bench.main(_bench_args(tmp_path, compare=str(partial)))  # the run would overwrite, then remove it
+    assert json.loads(partial.read_text()) == cut
+    kept = tmp_path / "cut.json"
+    kept.write_text(partial.read_text())
+    assert bench.main(_bench_args(tmp_path, compare=str(kept))) == 0
+    err = capsys.readouterr().err
+    assert f"{kept} is a partial report" in err and f"removing {partial}, an earlier run's" in err
     assert not partial.exists() and "partial" not in json.loads(out.read_text())
-    assert "A partial report" not in capsys.readouterr().out
 
 
 def test_a_partial_report_that_cannot_be_written_does_not_stop_the_run(tmp_path, monkeypatch, capsys):

@@ -196,7 +196,9 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     bench.add_argument("--smoke", action="store_true", help="tiny sizes, a few repeats (CI)")
     bench.add_argument("--suites", help="comma-separated suites (default: all the machine runs)")
     bench.add_argument("--configs", help="comma-separated configurations (default: all)")
-    bench.add_argument("--output", default="bench-results/bench.json", help="JSON file to write (%(default)s)")
+    bench.add_argument("--output", default="bench-results/bench.json",
+                       help="JSON file to write (%(default)s); while the run goes on, what has finished is in "
+                            "NAME.partial.json beside it")
     bench.add_argument("--plot", default="bench-results/interop.png", help="PNG plot to write (%(default)s)")
     bench.add_argument("--compare", metavar="OLD.json", help="flag slow-downs against OLD.json")
     bench.add_argument("--input", metavar="NEW.json",

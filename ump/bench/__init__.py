@@ -14,7 +14,6 @@ people's programs unedited, each run a process of its own.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import os
@@ -155,9 +154,9 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     suite runs (:func:`ump.bench.programs.select`); None: all.
     ``checkpoint(report)``, if given, is called with a copy of the report
     of what has finished, ``"partial": True`` in it, after each
-    configuration's process that recorded a case and after each recorded
-    run of the programs suite: a run cut short (the machine taken back,
-    Ctrl-C) keeps what it measured.
+    configuration's process once any case is recorded, and after each
+    recorded run of the programs suite: a run cut short (the machine taken
+    back, Ctrl-C) keeps what it measured.
 
     Raises
     ------
@@ -238,8 +237,11 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), pin
                 "processes": processes, "cpus": pinned}
 
     def save(results, skipped_cases):
-        """The checkpoint's report: a copy, which the run goes on without changing."""
-        checkpoint({**copy.deepcopy(report_of(results, skipped_cases)), "partial": True})
+        """The checkpoint's report, which the run goes on without changing:
+        ``results``' entries come fresh from :func:`summarised` (the
+        worker suites' are done with once the programs run)."""
+        checkpoint({**report_of(dict(results), dict(skipped_cases)), "processes": list(processes),
+                    "partial": True})
 
     t_start = time.perf_counter()
     steps = [(r, c) for r in range(rounds) for c in configs] if suites else []
@@ -411,7 +413,7 @@ def _load(option: str, path: str) -> dict:
         raise ArgumentError(f"{option}: {path} is not JSON: {err}") from None
     if (not isinstance(report, dict) or not isinstance(report.get("results"), dict)
             or not isinstance(report.get("configs"), list)):
-        raise ArgumentError(f"{option}: {path} is not a bench report (no 'results' and 'configs')")
+        raise ArgumentError(f"{option}: {path} is not a bench report (it needs 'results' and 'configs')")
     return report
 
 
@@ -445,12 +447,20 @@ def _write_report(path: str, report: dict) -> None:
 class _Checkpoints:
     """The bench command's checkpoint (:func:`run`): each partial report to
     :func:`partial_path` of the output. One it cannot write (disk full) is
-    said once on stderr and the run goes on without them: they exist to
-    keep a run's figures, never to stop it."""
+    said once on stderr and no more are written: they exist to keep a run's
+    figures, never to stop it."""
 
     def __init__(self, output: str):
         self.path = partial_path(output)
         self.written = self.failed = False
+
+    def start(self) -> None:
+        """Before the run: an earlier run's partial report would pass for
+        this one's until the first checkpoint, and outlive it if none is
+        written."""
+        if os.path.exists(self.path):
+            print(f"bench: removing {self.path}, an earlier run's partial report", file=sys.stderr)
+            self._remove()
 
     def __call__(self, report: dict) -> None:
         if self.failed:
@@ -461,12 +471,24 @@ class _Checkpoints:
         except OSError as err:
             self.failed = True
             print(f"bench: cannot write {self.path} ({err.strerror or err}); the run goes on, "
-                  f"its report is written at its end", file=sys.stderr, flush=True)
+                  f"no more partial reports are written", file=sys.stderr, flush=True)
+
+    def say_where(self) -> None:
+        """For a run that stops: where what it measured is."""
+        if self.written:
+            print(f"bench: what had finished is in {self.path}", file=sys.stderr)
 
     def done(self) -> None:
-        """The whole report is written: the partial one this run wrote goes."""
-        if self.written:
+        """The whole report is written: the partial one goes."""
+        self._remove()
+
+    def _remove(self) -> None:
+        try:
             os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            print(f"bench: cannot remove {self.path} ({err.strerror or err})", file=sys.stderr)
 
 
 def _print_tables(report: dict) -> None:
@@ -497,26 +519,43 @@ def main(args) -> int:
     finished report replaces. ``--input`` without ``--compare`` prints a
     saved report's tables (a partial one included)."""
     old = _load("--compare", args.compare) if args.compare else None  # before a long run, not after
+    if old is not None and old.get("partial"):
+        print(f"bench: {args.compare} is a partial report: its cases that did not run are not compared",
+              file=sys.stderr)
     if args.input:
         report = _load("--input", args.input)
         if not args.compare:
             _print_tables(report)
             return 0
     else:
+        checkpoint = _Checkpoints(args.output)
+        if args.compare and os.path.abspath(args.compare) == os.path.abspath(checkpoint.path):
+            raise ArgumentError(f"--compare {args.compare}: this run writes its partial reports there; "
+                                f"copy it elsewhere first")
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
-        checkpoint = _Checkpoints(args.output)
-        report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
-                     programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None),
-                     only=args.only.split(",") if getattr(args, "only", None) is not None else None,
-                     checkpoint=checkpoint)
+        checkpoint.start()
+        try:
+            report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
+                         programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None),
+                         only=args.only.split(",") if getattr(args, "only", None) is not None else None,
+                         checkpoint=checkpoint)
+        except BaseException:
+            checkpoint.say_where()
+            raise
         if not report["results"]:
             # keep what an earlier run wrote rather than replace it with nothing
             print(f"bench: the run produced no results; {args.output} not written", file=sys.stderr)
             return 1
-        _print_tables(report)
-        _write_report(args.output, report)
+        try:
+            _write_report(args.output, report)
+        except OSError as err:
+            print(f"bench: cannot write {args.output} ({err.strerror or err})", file=sys.stderr)
+            checkpoint.say_where()
+            _print_tables(report)
+            return 1
         checkpoint.done()
+        _print_tables(report)
         print(f"\nJSON: {args.output}")
         if args.plot:
             if not _has_interop_cases(report):
