@@ -643,17 +643,27 @@ def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monke
     assert "| cg | " in shown.stdout and "printed GPU time: 1.000" in shown.stdout
 
 
+def _one_case_workers(monkeypatch, fail_at=None):
+    """Stand-ins for the worker processes: each reports one case (three
+    repeats, median 2.0); the ``fail_at``-th fails as a machine taken back."""
+    calls = []
+
+    def worker(cmd, *args, **kw):
+        calls.append(cmd)
+        if len(calls) == fail_at:
+            return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="the machine was taken back")
+        timings = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 3.0, 2.0], "gpu": []},
+                   bench.PROCESS_KEY: {"ump_imported": False}}
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(timings), stderr="")
+
+    monkeypatch.setattr(bench_progress, "run_worker", worker)
+
+
 def test_each_configurations_process_leaves_a_partial_report(monkeypatch):
     """Between the configurations' processes too, the report so far is
     handed to the checkpoint, summarised as the final one; the final report
     is not marked partial."""
-    timings = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 3.0, 2.0], "gpu": []},
-               bench.PROCESS_KEY: {"ump_imported": False}}
-
-    def worker(cmd, *args, **kw):
-        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(timings), stderr="")
-
-    monkeypatch.setattr(bench_progress, "run_worker", worker)
+    _one_case_workers(monkeypatch)
     saved = []
     final = bench.run(suites=["alloc_numpy"], configs=["stock"], rounds=2, progress=io.StringIO(),
                       checkpoint=saved.append)
@@ -676,17 +686,7 @@ def test_the_command_keeps_the_last_report_whole_until_its_run_ends(tmp_path, mo
     (``bench.partial.json``), so a run cut short leaves the report before
     (often --compare's) as it was; a finished run writes the whole report
     and removes the partial one."""
-    calls = []
-
-    def worker(cmd, *args, **kw):
-        calls.append(cmd)
-        if len(calls) == 2:
-            return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="the machine was taken back")
-        timings = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 3.0, 2.0], "gpu": []},
-                   bench.PROCESS_KEY: {"ump_imported": False}}
-        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(timings), stderr="")
-
-    monkeypatch.setattr(bench_progress, "run_worker", worker)
+    _one_case_workers(monkeypatch, fail_at=2)
     out, partial = tmp_path / "bench.json", tmp_path / "bench.partial.json"
     out.write_text(json.dumps(_report(100.0)))
     with pytest.raises(RuntimeError, match="taken back"):
@@ -711,10 +711,7 @@ def test_a_partial_report_that_cannot_be_written_does_not_stop_the_run(tmp_path,
     """A checkpoint is there to keep figures: one that fails (here its path
     is a folder) is said once on stderr, leaves no file half written, and
     the run ends with its whole report."""
-    timings = {"np.empty 64B": {"suite": "alloc_numpy", "cpu": [1.0, 3.0, 2.0], "gpu": []},
-               bench.PROCESS_KEY: {"ump_imported": False}}
-    monkeypatch.setattr(bench_progress, "run_worker", lambda cmd, *a, **k: subprocess.CompletedProcess(
-        cmd, 0, stdout=json.dumps(timings), stderr=""))
+    _one_case_workers(monkeypatch)
     (tmp_path / "bench.partial.json").mkdir()
     assert bench.main(_bench_args(tmp_path)) == 0
     err = capsys.readouterr().err

@@ -508,6 +508,13 @@ def _print_tables(report: dict) -> None:
         print("\n".join(lines))
 
 
+def _say_if_partial(path: str, report: dict) -> None:
+    """For ``--compare``: a report of a run cut short lacks cases."""
+    if report.get("partial"):
+        print(f"bench: {path} is a partial report: its cases that did not run are not compared",
+              file=sys.stderr)
+
+
 def _has_interop_cases(report) -> bool:
     return any(case.split()[0] in INTEROP_OPS for case in report["results"])
 
@@ -519,9 +526,8 @@ def main(args) -> int:
     finished report replaces. ``--input`` without ``--compare`` prints a
     saved report's tables (a partial one included)."""
     old = _load("--compare", args.compare) if args.compare else None  # before a long run, not after
-    if old is not None and old.get("partial"):
-        print(f"bench: {args.compare} is a partial report: its cases that did not run are not compared",
-              file=sys.stderr)
+    if old is not None:
+        _say_if_partial(args.compare, old)
     if args.input:
         report = _load("--input", args.input)
         if not args.compare:
@@ -569,9 +575,8 @@ def main(args) -> int:
                     print(f"plot not written ({args.plot}): matplotlib is not installed "
                           f"({pip_install('bench')})", file=sys.stderr)
     if args.compare:
-        if report.get("partial"):
-            print(f"bench: {args.input} is a partial report: its cases that did not run are not compared",
-                  file=sys.stderr)
+        if args.input:
+            _say_if_partial(args.input, report)
         slow = compare(old, report, threshold=args.threshold)
         for line in slow:
             print(f"SLOWER: {line}")
