@@ -603,6 +603,59 @@ def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, mon
     assert "| cg | " in text and "geometric mean of stock / auto, printed GPU time: 1.000" in text
 
 
+_TIMED_PROGRAM = """
+import os, sys, time
+with open(os.environ["FAKE_PROGRAM_LOG"], "a") as f:
+    f.write(f"{sys.argv[1]} {'ump' in sys.modules}\\n")
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_short_programs_run_more_rounds_than_long_ones(tmp_path, monkeypatch):
+    """A program that stock runs in under SHORT_S seconds (the median of
+    its first rounds) goes on to ``short_rounds`` rounds, the order of the
+    configurations still turning; a longer one stops at ``rounds``; the
+    progress count ends where the run does, and the table says how many
+    rounds each program had."""
+    from ump.bench import programs
+
+    monkeypatch.setattr(programs, "SHORT_S", 0.35)
+    for name in ("cg", "quick", "slow"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.py").write_text(_FAKE_PROGRAM if name == "cg" else _TIMED_PROGRAM)
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+    quick = programs.Program("quick", "quick/quick.py", ("quick", "0"), gpus=0)
+    slow = programs.Program("slow", "slow/slow.py", ("slow", "0.5"), gpus=0)
+    err = io.StringIO()
+    results, _ = programs.run(["stock", "auto"], 1, {"cupy": str(tmp_path)}, short_rounds=3,
+                              programs=(quick, slow), progress=err)
+    runs = log.read_text().splitlines()
+    assert [line for line in runs if line.startswith("slow")] == ["slow False", "slow True", "slow False"]
+    assert [line for line in runs if line.startswith("quick")] == [
+        "quick False",                                          # warm-up
+        "quick True", "quick False",                            # round 1: auto first
+        "quick False", "quick True", "quick True", "quick False"]  # rounds 2 and 3, turning
+    assert [len(results["program quick"][c]["round_cpu"]) for c in ("stock", "auto")] == [3, 3]
+    assert [len(results["program slow"][c]["round_cpu"]) for c in ("stock", "auto")] == [1, 1]
+    assert "[10/10] round 3/3 quick [stock]" in err.getvalue()
+    text = programs.table({"configs": ["stock", "auto"], "results": results})
+    assert "\nrounds: 3 for 1 program, 1 for 1 program" in text
+    with pytest.raises(ValueError, match=r"short_rounds \(1\) must be at least rounds \(2\)"):
+        programs.run(["stock"], 2, {"cupy": str(tmp_path)}, short_rounds=1, programs=(quick,), progress=err)
+
+
+def test_short_rounds_below_rounds_or_without_the_programs_suite_are_refused(tmp_path):
+    out = tmp_path / "r.json"
+    line = _usage_error(_bench(tmp_path, "--suites", "alloc_numpy", "--short-rounds", "4", "--output", str(out)))
+    assert line.endswith("--short-rounds is for the programs suite: add --suites programs")
+    with pytest.raises(bench.ArgumentError, match=r"short rounds must be an int >= rounds \(3\), got 2"):
+        bench.run(suites=["programs"], rounds=3, short_rounds=2, progress=io.StringIO())
+    line = _usage_error(_bench(tmp_path, "--suites", "programs", "--short-rounds", "0", "--output", str(out)))
+    assert "--short-rounds: must be at least 1, got 0" in line
+    assert not out.exists()
+
+
 def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monkeypatch, caps):
     """The programs suite takes many minutes: after each recorded run the
     report of what finished is written beside the output, marked partial,

@@ -212,6 +212,9 @@ def _add_bench(sub) -> argparse.ArgumentParser:
                             "of it (cg,stream: cg and the stream examples; default: all)")
     bench.add_argument("--rounds", type=_at_least_one, default=1,
                        help="run every configuration this many times, interleaved (spread across processes)")
+    bench.add_argument("--short-rounds", type=_at_least_one, metavar="N",
+                       help="rounds of the programs that stock runs in under 2.5 s (its median over --rounds "
+                            "rounds), where the spread between processes is widest (default: twice --rounds)")
     bench.add_argument("--cpus", metavar="LIST",
                        help="run every process on these CPUs (0,7,11 or 8-15), so that all configurations "
                             "meet the same ones (default: wherever the system puts them)")

@@ -141,7 +141,7 @@ def _record(raw: dict, skipped: dict, timings: dict, config: str, progress) -> N
 
 
 def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
-        programs_dir=None, cpus=None, only=None, checkpoint=None) -> dict:
+        programs_dir=None, cpus=None, only=None, checkpoint=None, short_rounds=None) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
     (stock, imported, backend, stock, ...), so that slow drift of the machine
     spreads over all configurations; repeats of all rounds are pooled. A
@@ -152,6 +152,9 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     ``"cpus"`` keeps; ``"processes"`` says where each configuration's ran.
     ``only`` (``bench --only``): the names of the programs the programs
     suite runs (:func:`ump.bench.programs.select`); None: all.
+    ``short_rounds`` (``bench --short-rounds``): the rounds of the programs
+    that stock runs in under :data:`ump.bench.programs.SHORT_S` seconds
+    (None: twice ``rounds``).
     ``checkpoint(report)``, if given, is called with a copy of the report
     of what has finished, ``"partial": True`` in it, after each
     configuration's process once any case is recorded, and after each
@@ -162,11 +165,17 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     ------
     ArgumentError
         An unknown suite or configuration, one this machine cannot run,
-        ``rounds`` below 1, CPUs this process cannot run on, or ``only``
-        without the programs suite or naming no program of it.
+        ``rounds`` below 1, CPUs this process cannot run on, ``only``
+        without the programs suite or naming no program of it, or
+        ``short_rounds`` without the programs suite or below ``rounds``.
     """
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ArgumentError(f"rounds must be an int >= 1, got {rounds!r}")
+    if short_rounds is not None and (suites is None or PROGRAMS not in suites):
+        raise ArgumentError("--short-rounds is for the programs suite: add --suites programs")
+    short_rounds = 2 * rounds if short_rounds is None else short_rounds
+    if isinstance(short_rounds, bool) or not isinstance(short_rounds, int) or short_rounds < rounds:
+        raise ArgumentError(f"short rounds must be an int >= rounds ({rounds}), got {short_rounds!r}")
     caps = _probe.probe()
     missing = _gpu_missing(caps)
 
@@ -206,7 +215,8 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         configs = [*configs, "imported"]
     pinned, before = _pin(cpus, progress) if cpus is not None else (None, None)
     try:
-        return _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned, checkpoint)
+        return _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned, checkpoint,
+                    short_rounds)
     finally:
         if before is not None:
             _cpus.pin(before)
@@ -227,12 +237,13 @@ def _pin(spec: str, progress) -> tuple[dict, set]:
 
 
 def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), pinned=None,
-         checkpoint=None) -> dict:
+         checkpoint=None, short_rounds=None) -> dict:
     """The run itself, its arguments checked (:func:`run`)."""
     raw, skipped, processes = {}, {}, []
 
     def report_of(results, skipped_cases):
-        return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds,
+        extra = {"short_rounds": short_rounds} if found is not None else {}
+        return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds, **extra,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped_cases,
                 "processes": processes, "cpus": pinned}
 
@@ -265,7 +276,8 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), pin
     results = summarised(raw)
     if found is not None:
         ran, not_run = programs.run(
-            [c for c in configs if c != "imported"], rounds, found, gpus=len(caps.devices), programs=selected,
+            [c for c in configs if c != "imported"], rounds, found, short_rounds=short_rounds,
+            gpus=len(caps.devices), programs=selected,
             progress=progress,
             checkpoint=None if checkpoint is None else lambda r, n: save({**results, **r}, {**skipped, **n}))
         results.update(ran)
@@ -543,6 +555,7 @@ def main(args) -> int:
         checkpoint.start()
         try:
             report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
+                         short_rounds=getattr(args, "short_rounds", None),
                          programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None),
                          only=args.only.split(",") if getattr(args, "only", None) is not None else None,
                          checkpoint=checkpoint)

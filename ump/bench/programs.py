@@ -19,12 +19,17 @@ process's wall time and the GPU time the program prints itself, where it
 prints one. A first round, under the first configuration, warms CuPy's
 kernel cache and is not recorded; then every round runs every program under every configuration, the order
 of the configurations turning from round to round so that slow drift of the
-machine spreads over all of them.
+machine spreads over all of them. The programs that stock runs in under
+:data:`SHORT_S` seconds go on for more rounds than the others (``bench
+--short-rounds``): there the spread from one process to the next is as wide
+as the bound the suite holds ump to, and a cost paid once per process weighs
+most.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import doctest
 import importlib.util
@@ -196,7 +201,8 @@ WITHIN = 1.05
 
 #: Programs whose stock wall time is under this many seconds are where a cost
 #: ump pays once per process (its start-up, its exit) weighs: the table gives
-#: their time against stock's pair by pair, in milliseconds.
+#: their time against stock's pair by pair, in milliseconds, and they run
+#: ``short_rounds`` rounds (:func:`run`).
 SHORT_S = 2.5
 
 
@@ -323,15 +329,21 @@ def _record(results: dict, program: Program, config: str, one: dict) -> None:
             entry[times].append(value)
 
 
-def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, timeout: float = 600,
-        programs=PROGRAMS, progress=sys.stderr, checkpoint=None) -> tuple[dict, dict]:
+def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, warmup: int = 1, gpus: int = 1,
+        timeout: float = 600, programs=PROGRAMS, progress=sys.stderr, checkpoint=None) -> tuple[dict, dict]:
     """(results, skipped): per program and configuration, the wall and
     printed GPU times of ``rounds`` runs (microseconds, as the other suites),
-    after ``warmup`` rounds that are not recorded. ``found``: the folders by
-    source (:func:`folders`). ``checkpoint(results, skipped)``, if given, is
-    called after each recorded run (the warm-up's are not) with copies of
-    what has finished so far, summarised as at the end: a run of many
-    minutes that is cut short keeps its table."""
+    after ``warmup`` rounds that are not recorded; a program whose first
+    configuration's median wall time over those rounds is under
+    :data:`SHORT_S` goes on to ``short_rounds`` (None: ``rounds``).
+    ``found``: the folders by source (:func:`folders`).
+    ``checkpoint(results, skipped)``, if given, is called after each
+    recorded run (the warm-up's are not) with copies of what has finished
+    so far, summarised as at the end: a run of many minutes that is cut
+    short keeps its table."""
+    short_rounds = rounds if short_rounds is None else short_rounds
+    if short_rounds < rounds:
+        raise ValueError(f"short_rounds ({short_rounds}) must be at least rounds ({rounds})")
     found = {name: os.path.abspath(path) for name, path in found.items()}  # the programs run elsewhere
     skipped, results = {}, {}
     with tempfile.TemporaryDirectory() as cwd:
@@ -348,17 +360,21 @@ def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, ti
             skipped[f"program {program.name}"] = why
             print(f"program skipped ({program.name}): {why}", file=progress, flush=True)
         chosen = list(scripts)
-        steps = (warmup + rounds * len(configs)) * len(chosen)
+        steps = (warmup + short_rounds * len(configs)) * len(chosen)  # until the short ones are known
         done, t0 = 0, time.perf_counter()
-        for r in range(warmup + rounds):
+        for r in range(warmup + short_rounds):
             # Warming CuPy's kernel cache takes one run of each program.
             order = configs[:1] if r < warmup else configs[r % len(configs):] + configs[:r % len(configs)]
+            if r == warmup + rounds:
+                chosen = [p for p in chosen if _short(results.get(f"program {p.name}", {}).get(configs[0]))]
+                steps = done + (short_rounds - rounds) * len(configs) * len(chosen)
             for program in chosen:
                 for config in order:
                     done += 1
                     elapsed = time.perf_counter() - t0
                     eta = elapsed / (done - 1) * (steps - done + 1) if done > 1 else math.nan
-                    label = "warm-up" if r < warmup else f"round {r - warmup + 1}/{rounds}"
+                    k = r - warmup + 1
+                    label = "warm-up" if r < warmup else f"round {k}/{rounds if k <= rounds else short_rounds}"
                     print(f"[{done}/{steps}] {label} {program.name} [{config}] "
                           f"({elapsed:.0f} s so far, ~{eta:.0f} s left)", file=progress, flush=True)
                     one = _once(program, config, scripts[program], cwd, timeout)
@@ -371,6 +387,14 @@ def run(configs, rounds: int, found: dict, *, warmup: int = 1, gpus: int = 1, ti
                         if checkpoint is not None:
                             checkpoint(summarised(results), dict(skipped))
     return summarised(results), skipped
+
+
+def _short(entry) -> bool:
+    """Whether the runs of ``entry`` so far (one program, one configuration)
+    took under :data:`SHORT_S` seconds of wall time by their median; a
+    program none of whose runs exited 0 is not short."""
+    times = (entry or {}).get("cpu_times")
+    return bool(times) and statistics.median(times) < SHORT_S * 1e6
 
 
 def _ratio(entry, base, key):
@@ -420,6 +444,10 @@ def table(report) -> str:
                 parts.append(f"exit {entry['returncodes']}: {entry['errors'][0]}")
             cells.append(", ".join(parts))
         lines.append(f"| {case.removeprefix('program ')} | " + " | ".join(cells) + " |")
+    counts = collections.Counter(len(per["stock"]["round_cpu"]) for per in rows.values() if "stock" in per)
+    if len(counts) > 1:
+        lines.append("\nrounds: " + ", ".join(f"{n} for {k} program{'s' * (k > 1)}"
+                                                for n, k in sorted(counts.items(), reverse=True)))
     for config in configs:
         for key, what in (("cpu", "wall"), ("gpu", "printed GPU")):
             values = speedups[config][key]
