@@ -1,0 +1,344 @@
+"""The ``programs`` suite of the perf suite: other people's programs run
+unedited under stock Python and ``python -m ump run``, with stand-in
+programs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+from _bench_cli import bench_cli, usage_error
+
+from ump import bench
+
+_FAKE_PROGRAM = """
+import os, sys, time
+with open(os.environ["FAKE_PROGRAM_LOG"], "a") as f:
+    f.write(f"{sys.argv[1:]} {'ump' in sys.modules} {os.environ.get('UMP_LAUNCHED')}\\n")
+time.sleep(0.05)
+print(" GPU :  0.25 sec")
+print(" GPU :  0.5 sec")
+sys.exit(int(os.environ.get("FAKE_PROGRAM_EXIT", "0")))
+"""
+
+
+def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, monkeypatch):
+    """Each run is a process: stock is plain Python (ump never imported),
+    the other configuration ``python -m ump run``; the printed GPU times are
+    summed; a warm-up round is not recorded; rounds turn the configurations'
+    order; the table gives ratios, their spread over rounds and the
+    geometric mean."""
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+    monkeypatch.setenv("UMP_BACKEND", "bogus")  # the runner starts programs without the caller's UMP_*
+    prog = programs.Program("cg", "cg/cg.py", ("--tol", "1"), programs._GPU_SECONDS)
+    err = io.StringIO()
+    results, skipped = programs.run(["stock", "auto"], 2, {"cupy": str(tmp_path)}, programs=(prog,), progress=err)
+    lines = log.read_text().splitlines()
+    stock, ump_run = "['--tol', '1'] False None", "['--tol', '1'] True 1"
+    assert lines == [stock, ump_run, stock, stock, ump_run]  # warm-up (stock) + 2 rounds, turning
+    assert skipped == {}
+    per = results["program cg"]
+    assert per["stock"]["gpu_times"] == [0.75e6, 0.75e6] and per["auto"]["returncodes"] == [0, 0]
+    assert all(t >= 0.05e6 for t in per["stock"]["cpu_times"] + per["auto"]["cpu_times"])
+    assert "[5/5] round 2/2 cg [auto]" in err.getvalue() and "left)" in err.getvalue()
+    assert ", GPU 0.750 s, exit 0" in err.getvalue()
+    text = programs.table({"configs": ["stock", "auto"], "results": results})
+    assert "| cg | " in text and "geometric mean of stock / auto, printed GPU time: 1.000" in text
+
+
+_TIMED_PROGRAM = """
+import os, sys, time
+with open(os.environ["FAKE_PROGRAM_LOG"], "a") as f:
+    f.write(f"{sys.argv[1]} {'ump' in sys.modules}\\n")
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_short_programs_run_more_rounds_than_long_ones(tmp_path, monkeypatch):
+    """A program that stock runs in under SHORT_S seconds (the median of
+    its first rounds) goes on to ``short_rounds`` rounds, the order of the
+    configurations still turning; a longer one stops at ``rounds``; the
+    progress count ends where the run does, and the table says how many
+    rounds each program had."""
+    from ump.bench import programs
+
+    monkeypatch.setattr(programs, "SHORT_S", 0.35)
+    for name in ("cg", "quick", "slow"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.py").write_text(_FAKE_PROGRAM if name == "cg" else _TIMED_PROGRAM)
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+    quick = programs.Program("quick", "quick/quick.py", ("quick", "0"), gpus=0)
+    slow = programs.Program("slow", "slow/slow.py", ("slow", "0.5"), gpus=0)
+    err = io.StringIO()
+    results, _ = programs.run(["stock", "auto"], 1, {"cupy": str(tmp_path)}, short_rounds=3,
+                              programs=(quick, slow), progress=err)
+    runs = log.read_text().splitlines()
+    assert [line for line in runs if line.startswith("slow")] == ["slow False", "slow True", "slow False"]
+    assert [line for line in runs if line.startswith("quick")] == [
+        "quick False",                                          # warm-up
+        "quick True", "quick False",                            # round 1: auto first
+        "quick False", "quick True", "quick True", "quick False"]  # rounds 2 and 3, turning
+    assert [len(results["program quick"][c]["round_cpu"]) for c in ("stock", "auto")] == [3, 3]
+    assert [len(results["program slow"][c]["round_cpu"]) for c in ("stock", "auto")] == [1, 1]
+    assert "[10/10] round 3/3 quick [stock]" in err.getvalue()
+    text = programs.table({"configs": ["stock", "auto"], "results": results})
+    assert "\nrounds: 3 for 1 program, 1 for 1 program" in text
+    with pytest.raises(ValueError, match=r"short_rounds \(1\) must be at least rounds \(2\)"):
+        programs.run(["stock"], 2, {"cupy": str(tmp_path)}, short_rounds=1, programs=(quick,), progress=err)
+
+
+def test_short_rounds_below_rounds_or_without_the_programs_suite_are_refused(tmp_path):
+    out = tmp_path / "r.json"
+    line = usage_error(bench_cli(tmp_path, "--suites", "alloc_numpy", "--short-rounds", "4", "--output", str(out)))
+    assert line.endswith("--short-rounds is for the programs suite: add --suites programs")
+    with pytest.raises(bench.ArgumentError, match=r"short rounds must be an int >= rounds \(3\), got 2"):
+        bench.run(suites=["programs"], rounds=3, short_rounds=2, progress=io.StringIO())
+    line = usage_error(bench_cli(tmp_path, "--suites", "programs", "--short-rounds", "0", "--output", str(out)))
+    assert "--short-rounds: must be at least 1, got 0" in line
+    assert not out.exists()
+
+
+def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monkeypatch, caps):
+    """The programs suite takes many minutes: after each recorded run the
+    report of what finished is written beside the output, marked partial,
+    each a copy the run does not change afterwards, so a run stopped midway
+    (the machine taken back, Ctrl-C) still gives its table; ``--input``
+    alone prints a saved report's tables."""
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(tmp_path / "log"))
+    prog = programs.Program("cg", "cg/cg.py", (), programs._GPU_SECONDS, gpus=0)  # runs here, GPU or not
+    writer, saved = bench._Checkpoints(str(tmp_path / "out" / "bench.json")), []
+
+    def checkpoint(partial):
+        writer(partial)
+        saved.append(partial)
+        if len(saved) == 3:
+            raise KeyboardInterrupt  # the fourth of four recorded runs never finishes
+
+    with pytest.raises(KeyboardInterrupt):
+        bench._run([], False, ["stock", "auto"], 2, io.StringIO(), caps, {"cupy": str(tmp_path)}, (prog,),
+                   checkpoint=checkpoint)
+    out = tmp_path / "out" / "bench.partial.json"
+    report = json.loads(out.read_text())
+    per = report["results"]["program cg"]
+    assert report["partial"] is True and report["rounds"] == 2 and report["configs"] == ["stock", "auto"]
+    assert per["auto"]["round_gpu"] == [0.75e6] and per["stock"]["round_gpu"] == [0.75e6, 0.75e6]
+    assert per["stock"]["gpu"]["median"] == 0.75e6 and per["auto"]["cpu"]["n"] == 1
+    assert report["results"] == saved[-1]["results"]
+    # round 1 runs auto, then stock; round 2 stock first: each report as it was handed over
+    assert [len(s["results"]["program cg"].get("stock", {}).get("round_cpu", ())) for s in saved] == [0, 1, 2]
+    assert [s["results"]["program cg"]["auto"]["cpu"]["n"] for s in saved] == [1, 1, 1]
+    assert not list(out.parent.glob("*.part")) and not (tmp_path / "out" / "bench.json").exists()
+    shown = bench_cli(tmp_path, "--input", str(out))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("A partial report, written before its run ended")
+    assert "| cg | " in shown.stdout and "printed GPU time: 1.000" in shown.stdout
+
+
+def test_the_programs_table_says_which_programs_stay_within_the_bound():
+    """A program is within 1.05× stock by its ratio of medians, or within the
+    spread of its rounds (one round at or under the bound), for its wall time
+    and its printed GPU time alike; the others are named with their spread."""
+    from ump.bench import programs
+
+    def entry(walls, gpus=None):
+        e = {"round_cpu": walls, "cpu": {"median": sorted(walls)[len(walls) // 2]}, "errors": []}
+        if gpus is not None:
+            e.update(round_gpu=gpus, gpu={"median": sorted(gpus)[len(gpus) // 2]})
+        return e
+
+    stock = entry([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    results = {
+        "program fast": {"suite": "programs", "stock": stock, "auto": entry([0.9, 1.0, 1.02], [1.0, 1.0, 1.0])},
+        "program noisy": {"suite": "programs", "stock": stock, "auto": entry([1.04, 1.2, 1.3], [1.0, 1.0, 1.0])},
+        "program slow wall": {"suite": "programs", "stock": stock, "auto": entry([1.1, 1.2, 1.3], [1.0, 1.0, 1.0])},
+        "program slow gpu": {"suite": "programs", "stock": stock, "auto": entry([1.0, 1.0, 1.0], [1.06, 1.1, 1.2])},
+        "program fails": {"suite": "programs", "stock": stock,
+                          "auto": {**entry([0.5, 0.5], [0.5, 0.5]), "errors": [["boom"]], "returncodes": [0, 1, 0]}},
+    }
+    text = programs.table({"configs": ["stock", "auto"], "results": results})
+    assert ("auto within 1.05× stock (wall and printed GPU time): 2 of 5 programs (1 by the ratio of medians, "
+            "1 within the spread of their rounds); not: slow wall (wall 1.10–1.30); slow gpu (GPU 1.06–1.20); "
+            "fails (exit [0, 1, 0])") in text
+
+
+def test_the_programs_table_gives_the_short_programs_time_against_stock_pair_by_pair():
+    """For programs under 2.5 s of stock wall time, where a once-per-process
+    cost weighs, each round's wall time less the same round's stock time:
+    their median in ms and how many pairs were longer. Longer programs and
+    failed rounds give no pair; a program whose every round failed is not
+    counted."""
+    from ump.bench import programs
+
+    def entry(walls):
+        known = [w for w in walls if w is not None]
+        return {"round_cpu": walls, "cpu": {"median": sorted(known)[len(known) // 2]}, "errors": []}
+
+    results = {
+        "program short": {"suite": "programs", "stock": entry([1.0e6, 1.0e6, 1.0e6]),
+                          "auto": entry([1.04e6, 1.03e6, 0.99e6])},
+        "program failed once": {"suite": "programs", "stock": entry([2.0e6, None, 2.0e6]),
+                                "auto": entry([None, 2.5e6, 2.02e6])},
+        "program long": {"suite": "programs", "stock": entry([30e6, 30e6, 30e6]), "auto": entry([33e6, 33e6, 33e6])},
+        "program never ran": {"suite": "programs", "stock": entry([1.0e6, 1.0e6, 1.0e6]),
+                              "auto": {"round_cpu": [None, None, None], "cpu": None, "errors": [["boom"]],
+                                       "returncodes": [1, 1, 1]}},
+    }
+    text = programs.table({"configs": ["stock", "auto"], "results": results})
+    # pairs: +40, +30, -10 and +20 ms; the long program's +3000 ms is not one
+    assert ("auto against stock pair by pair (the processes of one round), the 2 programs under 2.5 s: "
+            "a median +25.0 ms (3 of 4 pairs longer)") in text
+
+
+def test_only_selects_programs_by_name_or_first_words_in_the_suites_order():
+    from ump.bench import programs
+
+    assert programs.select(None) == programs.PROGRAMS
+    stream = programs.select(["stream"])
+    assert len(stream) == 10 and all(p.name.startswith("stream ") for p in stream)
+    picked = programs.select(["stream cupy_event", "cg", "cg"])
+    assert [p.name for p in picked] == ["cg", "stream cupy_event"]
+    assert programs.select(["cupyx.scipy"]) == tuple(p for p in programs.PROGRAMS if p.source == "cupyx-docs")
+    with pytest.raises(ValueError, match=r"no program of the programs suite is named 'stre': cg, kmeans"):
+        programs.select(["stre"])
+    with pytest.raises(ValueError, match=r"is named ''"):
+        programs.select([""])  # --only "" names no program; it does not mean all of them
+
+
+def test_only_without_the_programs_suite_is_refused(tmp_path):
+    out = tmp_path / "r.json"
+    line = usage_error(bench_cli(tmp_path, "--suites", "alloc_numpy", "--only", "cg", "--output", str(out)))
+    assert line.endswith("--only names programs of the programs suite: add --suites programs")
+    assert not out.exists()
+
+
+def test_programs_that_fail_or_need_a_missing_module_are_reported(tmp_path, monkeypatch):
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(tmp_path / "log"))
+    monkeypatch.setenv("FAKE_PROGRAM_EXIT", "3")
+    fails = programs.Program("cg", "cg/cg.py")
+    needs = programs.Program("plots", "cg/cg.py", needs=("no_such_module_here",))
+    elsewhere = programs.Program("pylops solver", "pytests/test_solver.py", source="pylops")
+    results, skipped = programs.run(["stock"], 1, {"cupy": str(tmp_path)}, warmup=0,
+                                    programs=(fails, needs, elsewhere), progress=io.StringIO())
+    assert skipped["program plots"] == "no_such_module_here is not installed"
+    assert skipped["program pylops solver"].startswith("no folder of pylops's programs was named (pip install pylops")
+    assert results["program cg"]["stock"]["returncodes"] == [3]
+    assert results["program cg"]["stock"]["cpu_times"] == [] and results["program cg"]["stock"]["round_cpu"] == [None]
+    assert "exit [3]" in programs.table({"configs": ["stock", "auto"],
+                                         "results": {"program cg": {**results["program cg"],
+                                                                    "auto": results["program cg"]["stock"]}}})
+
+
+def test_the_programs_suite_tells_its_sources_apart_and_names_where_to_get_them(tmp_path, monkeypatch):
+    from ump.bench import programs
+
+    monkeypatch.delenv(programs.ENV, raising=False)
+    with pytest.raises(ValueError, match="git clone .*cupy"):
+        programs.folders()
+    with pytest.raises(ValueError, match=r"holds no programs the suite knows: none of cg/cg.py \(cupy\), "
+                                         r"pytests/test_leastsquares.py \(pylops\)"):
+        programs.folders([str(tmp_path)])
+    cupy, pylops = tmp_path / "examples", tmp_path / "pylops"
+    (cupy / "cg").mkdir(parents=True)
+    (cupy / "cg" / "cg.py").write_text("")
+    (pylops / "pytests").mkdir(parents=True)
+    (pylops / "pytests" / "test_leastsquares.py").write_text("")
+    monkeypatch.setenv(programs.ENV, f"{pylops}{os.pathsep}{cupy}")
+    assert programs.folders() == {"cupy": str(cupy), "pylops": str(pylops)}
+    assert programs.folders([str(cupy)]) == {"cupy": str(cupy)}
+    assert programs.command("stock", "x.py", ("-a",))[1:] == ["x.py", "-a"]
+    assert programs.command("auto", "x.py")[1:] == ["-m", "ump", "run", "x.py"]
+    assert programs.command("managed:migrate", "x.py")[1:] == [
+        "-m", "ump", "run", "--backend", "managed", "--placement", "migrate", "x.py"]
+    assert programs.command("stock", "t.py", ("-q",), "pytest")[1:] == ["-m", "pytest", "t.py", "-q"]
+    assert programs.command("auto", "t.py", (), "pytest")[1:] == ["-m", "ump", "run", "-m", "pytest", "t.py"]
+
+
+_FAKE_CUPYX = '''
+raise RuntimeError("the bench imported cupyx")
+
+
+def argrelmin(data):
+    """Relative minima.
+
+    Examples
+    --------
+    >>> import os, sys
+    >>> log = open(os.environ["FAKE_PROGRAM_LOG"], "a")
+    >>> for word in ("docs", str("ump" in sys.modules)):
+    ...     log.write(word + " ")
+    >>> log.write(os.environ.get("UMP_LAUNCHED", "-") + chr(10))
+    """
+
+
+class KDTree:
+    def query(self):
+        """No examples here."""
+'''
+
+_FAKE_RUNNER = """
+import os, sys
+with open(os.environ["FAKE_PROGRAM_LOG"], "a") as f:
+    f.write(f"runner {sys.argv[1:]} {os.environ.get('TEST_CUPY_PYLOPS')} {'ump' in sys.modules}\\n")
+"""
+
+
+def test_docstring_examples_and_test_runners_run_as_programs(tmp_path, monkeypatch):
+    """A cupyx docstring's examples become a script, in order, read from the
+    file without importing it; a program run as ``-m MODULE`` gets its
+    source's environment; both run under stock and the launcher."""
+    from ump.bench import programs
+
+    # The fake cupyx is not on any path (its file raises if imported), so
+    # programs that import the real CuPy, the launcher's included, still can.
+    site = tmp_path / "site"
+    (site / "cupyx" / "scipy").mkdir(parents=True)
+    (site / "cupyx" / "scipy" / "fake.py").write_text(_FAKE_CUPYX)
+    monkeypatch.setattr(programs, "_cupyx_root", lambda: str(site))
+    runners = tmp_path / "runners"
+    runners.mkdir()
+    (runners / "fakerunner.py").write_text(_FAKE_RUNNER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(runners), os.environ.get("PYTHONPATH", "")]))
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+
+    script = programs.docstring_script("cupyx/scipy/fake.py:argrelmin", str(tmp_path))
+    with open(script) as f:
+        assert f.read().startswith("import os, sys\nlog = open(")
+    with pytest.raises(ValueError, match="defines no KDTree.nope"):
+        programs.docstring_script("cupyx/scipy/fake.py:KDTree.nope", str(tmp_path))
+    with pytest.raises(ValueError, match="docstring of KDTree.query .* has no examples"):
+        programs.docstring_script("cupyx/scipy/fake.py:KDTree.query", str(tmp_path))
+    with pytest.raises(ValueError, match="this CuPy has no cupyx/scipy/gone.py"):
+        programs.docstring_script("cupyx/scipy/gone.py:argrelmin", str(tmp_path))
+
+    (tmp_path / "pylops" / "pytests").mkdir(parents=True)
+    (tmp_path / "pylops" / "pytests" / "test_leastsquares.py").write_text("")
+    docs = programs.Program("doc", "cupyx/scipy/fake.py:argrelmin", source="cupyx-docs")
+    runner = programs.Program("runner", "pytests/test_leastsquares.py", ("-q",), source="pylops",
+                              module="fakerunner", env=(("TEST_CUPY_PYLOPS", "1"),))
+    missing = programs.Program("gone", "cupyx/scipy/fake.py:nothing", source="cupyx-docs")
+    results, skipped = programs.run(["stock", "auto"], 1, {"pylops": str(tmp_path / "pylops")}, warmup=0,
+                                    programs=(docs, runner, missing), progress=io.StringIO())
+    assert list(skipped) == ["program gone"] and "defines no nothing" in skipped["program gone"]
+    test_file = str(tmp_path / "pylops" / "pytests" / "test_leastsquares.py")
+    assert log.read_text().splitlines() == [
+        "docs False -", "docs True 1",
+        f"runner ['{test_file}', '-q'] 1 False", f"runner ['{test_file}', '-q'] 1 True"]
+    assert results["program doc"]["auto"]["returncodes"] == [0]
+    assert results["program runner"]["stock"]["returncodes"] == [0]
