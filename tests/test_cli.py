@@ -107,3 +107,20 @@ def test_info_json_is_the_probe_and_the_choice(tmp_path, caps):
         assert report["backends"]["managed"] == {"available": False, "reason": "no GPU"}
     text = _info(tmp_path)
     assert f"enable() would choose: {report['choice']}" in text
+
+
+@pytest.mark.parametrize("args", [("info",), ("info", "--json"), ("bench", "--input", "REPORT")])
+def test_output_to_a_closed_pipe_stops_quietly(tmp_path, args):
+    """``python -m ump info | head -1``: a reader that went away ends the
+    command with status 1 and no traceback."""
+    report = tmp_path / "report.json"
+    report.write_text('{"configs": ["stock"], "results": {"np.empty 64B": {"suite": "alloc_numpy", '
+                      '"stock": {"cpu": {"median": 1.0, "q1": 1.0, "q3": 1.0, "n": 1}, "gpu": null}}}}')
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe now fails
+    try:
+        run = subprocess.run([sys.executable, "-m", "ump", *(str(report) if a == "REPORT" else a for a in args)],
+                             stdout=write, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    finally:
+        os.close(write)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr, run.stderr

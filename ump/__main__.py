@@ -271,11 +271,18 @@ def main(argv=None) -> int:
     if argv[:1] == ["bench"]:
         bench.epilog = _bench_epilog()  # imports the suites: only where they are asked about
     args = parser.parse_args(argv)
-    if args.command == "info":
-        return info_json() if args.json else info()
     if args.command == "run":
-        return _run(run, args)
-    return _bench(bench, args)
+        return _run(run, args)  # the program's own output: a closed pipe is its to meet
+    try:
+        if args.command == "info":
+            return info_json() if args.json else info()
+        return _bench(bench, args)
+    except BrokenPipeError:
+        # The reader went away (`python -m ump info | head -3`): stop quietly
+        # as other command-line tools do. stdout goes to /dev/null so that
+        # flushing it at exit cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
