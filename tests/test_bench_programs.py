@@ -28,8 +28,9 @@ def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, mon
     """Each run is a process: stock is plain Python (ump never imported),
     the other configuration ``python -m ump run``; the printed GPU times are
     summed; a warm-up round is not recorded; rounds turn the configurations'
-    order; the table gives ratios, their spread over rounds and the
-    geometric mean."""
+    order, and a program as short as this one runs twice the rounds asked
+    for; the table gives ratios, their spread over rounds and the geometric
+    mean."""
     from ump.bench import programs
 
     (tmp_path / "cg").mkdir()
@@ -42,12 +43,13 @@ def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, mon
     results, skipped = programs.run(["stock", "auto"], 2, {"cupy": str(tmp_path)}, programs=(prog,), progress=err)
     lines = log.read_text().splitlines()
     stock, ump_run = "['--tol', '1'] False None", "['--tol', '1'] True 1"
-    assert lines == [stock, ump_run, stock, stock, ump_run]  # warm-up (stock) + 2 rounds, turning
+    # warm-up (stock), 2 rounds, then 2 more for a short program, the order turning each round
+    assert lines == [stock, ump_run, stock, stock, ump_run, ump_run, stock, stock, ump_run]
     assert skipped == {}
     per = results["program cg"]
-    assert per["stock"]["gpu_times"] == [0.75e6, 0.75e6] and per["auto"]["returncodes"] == [0, 0]
+    assert per["stock"]["gpu_times"] == [0.75e6] * 4 and per["auto"]["returncodes"] == [0] * 4
     assert all(t >= 0.05e6 for t in per["stock"]["cpu_times"] + per["auto"]["cpu_times"])
-    assert "[5/5] round 2/2 cg [auto]" in err.getvalue() and "left)" in err.getvalue()
+    assert "[9/9] round 4/4 cg [auto]" in err.getvalue() and "left)" in err.getvalue()
     assert ", GPU 0.750 s, exit 0" in err.getvalue()
     text = programs.table({"configs": ["stock", "auto"], "results": results})
     assert "| cg | " in text and "geometric mean of stock / auto, printed GPU time: 1.000" in text
@@ -57,49 +59,52 @@ _TIMED_PROGRAM = """
 import os, sys, time
 with open(os.environ["FAKE_PROGRAM_LOG"], "a") as f:
     f.write(f"{sys.argv[1]} {'ump' in sys.modules}\\n")
-time.sleep(float(sys.argv[2]))
+time.sleep(float(sys.argv[3 if "ump" in sys.modules else 2]))
+sys.exit(int(sys.argv[4]))
 """
 
 
 def test_short_programs_run_more_rounds_than_long_ones(tmp_path, monkeypatch):
-    """A program that stock runs in under SHORT_S seconds (the median of
-    its first rounds) goes on to ``short_rounds`` rounds, the order of the
-    configurations still turning; a longer one stops at ``rounds``; the
+    """A program that stock runs in under SHORT_S seconds (its median over
+    the first rounds), whichever configuration comes first, goes on to
+    ``short_rounds`` rounds, the order of the configurations still turning;
+    a longer one, and one whose every run failed, stop at ``rounds``; the
     progress count ends where the run does, and the table says how many
-    rounds each program had."""
+    rounds the programs had."""
     from ump.bench import programs
 
-    monkeypatch.setattr(programs, "SHORT_S", 0.35)
-    for name in ("cg", "quick", "slow"):
+    monkeypatch.setattr(programs, "SHORT_S", 0.6)
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(tmp_path / "log"))
+    progs = []
+    for name, stock_s, ump_s, rc in (("quick", 0, 0.7, 0), ("slow", 0.8, 0.8, 0), ("broken", 0, 0, 3)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / f"{name}.py").write_text(_FAKE_PROGRAM if name == "cg" else _TIMED_PROGRAM)
-    log = tmp_path / "log"
-    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
-    quick = programs.Program("quick", "quick/quick.py", ("quick", "0"), gpus=0)
-    slow = programs.Program("slow", "slow/slow.py", ("slow", "0.5"), gpus=0)
+        (tmp_path / name / f"{name}.py").write_text(_TIMED_PROGRAM)
+        progs.append(programs.Program(name, f"{name}/{name}.py", (name, str(stock_s), str(ump_s), str(rc)), gpus=0))
     err = io.StringIO()
-    results, _ = programs.run(["stock", "auto"], 1, {"cupy": str(tmp_path)}, short_rounds=3,
-                              programs=(quick, slow), progress=err)
-    runs = log.read_text().splitlines()
-    assert [line for line in runs if line.startswith("slow")] == ["slow False", "slow True", "slow False"]
+    results, _ = programs.run(["auto", "stock"], 1, {"cupy": str(tmp_path)}, short_rounds=2, programs=progs,
+                              progress=err)
+    runs = (tmp_path / "log").read_text().splitlines()
+    # the warm-up under auto, round 1 stock first, round 2 (quick alone) auto first
     assert [line for line in runs if line.startswith("quick")] == [
-        "quick False",                                          # warm-up
-        "quick True", "quick False",                            # round 1: auto first
-        "quick False", "quick True", "quick True", "quick False"]  # rounds 2 and 3, turning
-    assert [len(results["program quick"][c]["round_cpu"]) for c in ("stock", "auto")] == [3, 3]
+        "quick True", "quick False", "quick True", "quick True", "quick False"]
+    for name in ("slow", "broken"):
+        assert [line for line in runs if line.startswith(name)] == [f"{name} True", f"{name} False", f"{name} True"]
+    assert [len(results["program quick"][c]["round_cpu"]) for c in ("stock", "auto")] == [2, 2]
     assert [len(results["program slow"][c]["round_cpu"]) for c in ("stock", "auto")] == [1, 1]
-    assert "[10/10] round 3/3 quick [stock]" in err.getvalue()
+    assert results["program broken"]["stock"]["returncodes"] == [3]
+    assert "[11/11] round 2/2 quick [stock]" in err.getvalue()
     text = programs.table({"configs": ["stock", "auto"], "results": results})
-    assert "\nrounds: 3 for 1 program, 1 for 1 program" in text
-    with pytest.raises(ValueError, match=r"short_rounds \(1\) must be at least rounds \(2\)"):
-        programs.run(["stock"], 2, {"cupy": str(tmp_path)}, short_rounds=1, programs=(quick,), progress=err)
+    assert "\nrounds: 2 for 1 program, 1 for 2 programs" in text
+    for asked in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"--short-rounds must be at least --rounds \(2\), got"):
+            programs.run(["stock"], 2, {"cupy": str(tmp_path)}, short_rounds=asked, programs=progs, progress=err)
 
 
 def test_short_rounds_below_rounds_or_without_the_programs_suite_are_refused(tmp_path):
     out = tmp_path / "r.json"
     line = usage_error(bench_cli(tmp_path, "--suites", "alloc_numpy", "--short-rounds", "4", "--output", str(out)))
     assert line.endswith("--short-rounds is for the programs suite: add --suites programs")
-    with pytest.raises(bench.ArgumentError, match=r"short rounds must be an int >= rounds \(3\), got 2"):
+    with pytest.raises(bench.ArgumentError, match=r"--short-rounds must be at least --rounds \(3\), got 2"):
         bench.run(suites=["programs"], rounds=3, short_rounds=2, progress=io.StringIO())
     line = usage_error(bench_cli(tmp_path, "--suites", "programs", "--short-rounds", "0", "--output", str(out)))
     assert "--short-rounds: must be at least 1, got 0" in line
@@ -133,6 +138,7 @@ def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monke
     report = json.loads(out.read_text())
     per = report["results"]["program cg"]
     assert report["partial"] is True and report["rounds"] == 2 and report["configs"] == ["stock", "auto"]
+    assert report["short_rounds"] == 4  # twice the rounds: what the programs under SHORT_S get
     assert per["auto"]["round_gpu"] == [0.75e6] and per["stock"]["round_gpu"] == [0.75e6, 0.75e6]
     assert per["stock"]["gpu"]["median"] == 0.75e6 and per["auto"]["cpu"]["n"] == 1
     assert report["results"] == saved[-1]["results"]
@@ -233,7 +239,7 @@ def test_programs_that_fail_or_need_a_missing_module_are_reported(tmp_path, monk
     fails = programs.Program("cg", "cg/cg.py")
     needs = programs.Program("plots", "cg/cg.py", needs=("no_such_module_here",))
     elsewhere = programs.Program("pylops solver", "pytests/test_solver.py", source="pylops")
-    results, skipped = programs.run(["stock"], 1, {"cupy": str(tmp_path)}, warmup=0,
+    results, skipped = programs.run(["stock"], 1, {"cupy": str(tmp_path)}, warmup=0, short_rounds=1,
                                     programs=(fails, needs, elsewhere), progress=io.StringIO())
     assert skipped["program plots"] == "no_such_module_here is not installed"
     assert skipped["program pylops solver"].startswith("no folder of pylops's programs was named (pip install pylops")
@@ -334,7 +340,7 @@ def test_docstring_examples_and_test_runners_run_as_programs(tmp_path, monkeypat
                               module="fakerunner", env=(("TEST_CUPY_PYLOPS", "1"),))
     missing = programs.Program("gone", "cupyx/scipy/fake.py:nothing", source="cupyx-docs")
     results, skipped = programs.run(["stock", "auto"], 1, {"pylops": str(tmp_path / "pylops")}, warmup=0,
-                                    programs=(docs, runner, missing), progress=io.StringIO())
+                                    short_rounds=1, programs=(docs, runner, missing), progress=io.StringIO())
     assert list(skipped) == ["program gone"] and "defines no nothing" in skipped["program gone"]
     test_file = str(tmp_path / "pylops" / "pytests" / "test_leastsquares.py")
     assert log.read_text().splitlines() == [

@@ -152,9 +152,8 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     ``"cpus"`` keeps; ``"processes"`` says where each configuration's ran.
     ``only`` (``bench --only``): the names of the programs the programs
     suite runs (:func:`ump.bench.programs.select`); None: all.
-    ``short_rounds`` (``bench --short-rounds``): the rounds of the programs
-    that stock runs in under :data:`ump.bench.programs.SHORT_S` seconds
-    (None: twice ``rounds``).
+    ``short_rounds`` (``bench --short-rounds``): the rounds of the short
+    programs (:func:`ump.bench.programs.short_rounds_of`).
     ``checkpoint(report)``, if given, is called with a copy of the report
     of what has finished, ``"partial": True`` in it, after each
     configuration's process once any case is recorded, and after each
@@ -173,9 +172,10 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         raise ArgumentError(f"rounds must be an int >= 1, got {rounds!r}")
     if short_rounds is not None and (suites is None or PROGRAMS not in suites):
         raise ArgumentError("--short-rounds is for the programs suite: add --suites programs")
-    short_rounds = 2 * rounds if short_rounds is None else short_rounds
-    if isinstance(short_rounds, bool) or not isinstance(short_rounds, int) or short_rounds < rounds:
-        raise ArgumentError(f"short rounds must be an int >= rounds ({rounds}), got {short_rounds!r}")
+    try:
+        short_rounds = programs.short_rounds_of(rounds, short_rounds)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     caps = _probe.probe()
     missing = _gpu_missing(caps)
 
@@ -242,7 +242,7 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), pin
     raw, skipped, processes = {}, {}, []
 
     def report_of(results, skipped_cases):
-        extra = {"short_rounds": short_rounds} if found is not None else {}
+        extra = {"short_rounds": programs.short_rounds_of(rounds, short_rounds)} if found is not None else {}
         return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds, **extra,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped_cases,
                 "processes": processes, "cpus": pinned}

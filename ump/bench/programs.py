@@ -45,7 +45,7 @@ import time
 from .summary import round_pairs, round_ratios, summarised
 
 __all__ = ["PROGRAMS", "SOURCES", "ENV", "Program", "Source", "command", "docstring_script", "folders",
-           "run", "table"]
+           "run", "short_rounds_of", "table"]
 
 #: The variable that names the programs' folders (``os.pathsep`` between them).
 ENV = "UMP_BENCH_PROGRAMS"
@@ -329,21 +329,36 @@ def _record(results: dict, program: Program, config: str, one: dict) -> None:
             entry[times].append(value)
 
 
+def short_rounds_of(rounds: int, short_rounds: int | None = None) -> int:
+    """The rounds of the programs under :data:`SHORT_S`: ``short_rounds``,
+    or twice ``rounds`` where it is None.
+
+    Raises
+    ------
+    ValueError
+        ``short_rounds`` is not an int at least ``rounds``.
+    """
+    value = 2 * rounds if short_rounds is None else short_rounds
+    if isinstance(value, bool) or not isinstance(value, int) or value < rounds:
+        raise ValueError(f"--short-rounds must be at least --rounds ({rounds}), got {value!r}")
+    return value
+
+
 def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, warmup: int = 1, gpus: int = 1,
         timeout: float = 600, programs=PROGRAMS, progress=sys.stderr, checkpoint=None) -> tuple[dict, dict]:
     """(results, skipped): per program and configuration, the wall and
     printed GPU times of ``rounds`` runs (microseconds, as the other suites),
-    after ``warmup`` rounds that are not recorded; a program whose first
-    configuration's median wall time over those rounds is under
-    :data:`SHORT_S` goes on to ``short_rounds`` (None: ``rounds``).
+    after ``warmup`` rounds that are not recorded; a program that stock
+    (the first configuration where there is no stock) ran in under
+    :data:`SHORT_S` seconds, by its median over those rounds, goes on to
+    :func:`short_rounds_of` ``(rounds, short_rounds)`` rounds.
     ``found``: the folders by source (:func:`folders`).
     ``checkpoint(results, skipped)``, if given, is called after each
     recorded run (the warm-up's are not) with copies of what has finished
     so far, summarised as at the end: a run of many minutes that is cut
     short keeps its table."""
-    short_rounds = rounds if short_rounds is None else short_rounds
-    if short_rounds < rounds:
-        raise ValueError(f"short_rounds ({short_rounds}) must be at least rounds ({rounds})")
+    short_rounds = short_rounds_of(rounds, short_rounds)
+    judge = "stock" if "stock" in configs else configs[0]
     found = {name: os.path.abspath(path) for name, path in found.items()}  # the programs run elsewhere
     skipped, results = {}, {}
     with tempfile.TemporaryDirectory() as cwd:
@@ -360,33 +375,70 @@ def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, w
             skipped[f"program {program.name}"] = why
             print(f"program skipped ({program.name}): {why}", file=progress, flush=True)
         chosen = list(scripts)
-        steps = (warmup + short_rounds * len(configs)) * len(chosen)  # until the short ones are known
-        done, t0 = 0, time.perf_counter()
+        plan = _Plan(chosen, warmup + rounds * len(configs), (short_rounds - rounds) * len(configs), progress)
         for r in range(warmup + short_rounds):
             # Warming CuPy's kernel cache takes one run of each program.
             order = configs[:1] if r < warmup else configs[r % len(configs):] + configs[:r % len(configs)]
             if r == warmup + rounds:
-                chosen = [p for p in chosen if _short(results.get(f"program {p.name}", {}).get(configs[0]))]
-                steps = done + (short_rounds - rounds) * len(configs) * len(chosen)
+                chosen = [p for p in chosen if _short(results.get(f"program {p.name}", {}).get(judge))]
+                plan.extend(chosen)
+            k = r - warmup + 1
+            label = "warm-up" if r < warmup else f"round {k}/{rounds if k <= rounds else short_rounds}"
             for program in chosen:
                 for config in order:
-                    done += 1
-                    elapsed = time.perf_counter() - t0
-                    eta = elapsed / (done - 1) * (steps - done + 1) if done > 1 else math.nan
-                    k = r - warmup + 1
-                    label = "warm-up" if r < warmup else f"round {k}/{rounds if k <= rounds else short_rounds}"
-                    print(f"[{done}/{steps}] {label} {program.name} [{config}] "
-                          f"({elapsed:.0f} s so far, ~{eta:.0f} s left)", file=progress, flush=True)
+                    plan.say(label, program, config)
                     one = _once(program, config, scripts[program], cwd, timeout)
-                    gpu = "" if one["gpu"] is None else f", GPU {one['gpu']:.3f} s"
-                    wall = "" if one["wall"] is None else f"{one['wall']:.2f} s"
-                    print(f"    {wall}{gpu}, exit {one['rc']}{': ' + str(one['error']) if 'error' in one else ''}",
-                          file=progress, flush=True)
+                    plan.ran(program, one, guess=r < warmup)
                     if r >= warmup:
                         _record(results, program, config, one)
                         if checkpoint is not None:
                             checkpoint(summarised(results), dict(skipped))
     return summarised(results), skipped
+
+
+class _Plan:
+    """The runs each program has still to make, said as the run goes on
+    with the time left, from each program's own time per run (cg's is 25
+    times a one-second program's). A program makes ``runs`` runs, and
+    ``extra`` more where it is short: guessed from its warm-up (which
+    compiles kernels, so may take longer), settled after its first
+    rounds (:meth:`extend`)."""
+
+    def __init__(self, programs, runs: int, extra: int, progress):
+        self.left = dict.fromkeys(programs, runs)
+        self.extra, self.guessed = extra, dict.fromkeys(programs, 0)
+        self.spent = {p: [0.0, 0] for p in programs}  # seconds, runs
+        self.done, self.t0, self.progress = 0, time.perf_counter(), progress
+
+    def extend(self, short) -> None:
+        """The first rounds are over: the ``short`` programs go on."""
+        for program in self.left:
+            self.left[program] += self.extra if program in short else 0
+            self.guessed[program] = 0
+
+    def say(self, label: str, program, config: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        seconds, runs = map(sum, zip(*self.spent.values()))
+        per_run = {p: s / n if n else (seconds / runs if runs else math.nan) for p, (s, n) in self.spent.items()}
+        left = sum((self.left[p] + self.guessed[p]) * per_run[p] for p in self.left)
+        total = self.done - 1 + sum(self.left.values()) + sum(self.guessed.values())
+        print(f"[{self.done}/{total}] {label} {program.name} [{config}] "
+              f"({elapsed:.0f} s so far, ~{left:.0f} s left)", file=self.progress, flush=True)
+
+    def ran(self, program, one: dict, guess: bool) -> None:
+        """``one`` (:func:`_once`) ran; a warm-up run guesses whether its
+        program is short."""
+        self.left[program] -= 1
+        if one["wall"] is not None:
+            self.spent[program][0] += one["wall"]
+            self.spent[program][1] += 1
+        if guess:
+            self.guessed[program] = self.extra if one["wall"] is not None and one["wall"] < SHORT_S else 0
+        gpu = "" if one["gpu"] is None else f", GPU {one['gpu']:.3f} s"
+        wall = "" if one["wall"] is None else f"{one['wall']:.2f} s"
+        print(f"    {wall}{gpu}, exit {one['rc']}{': ' + str(one['error']) if 'error' in one else ''}",
+              file=self.progress, flush=True)
 
 
 def _short(entry) -> bool:
