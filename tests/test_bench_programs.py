@@ -52,7 +52,7 @@ def test_programs_run_unedited_under_stock_python_and_the_launcher(tmp_path, mon
     assert "[9/9] round 4/4 cg [auto]" in err.getvalue() and "left)" in err.getvalue()
     assert ", GPU 0.750 s, exit 0" in err.getvalue()
     text = programs.table({"configs": ["stock", "auto"], "results": results})
-    assert "| cg | " in text and "geometric mean of stock / auto, printed GPU time: 1.000" in text
+    assert "| cg | " in text and "geometric mean of stock / auto, printed GPU time: 1.000 (1 program)\n" in text
 
 
 _TIMED_PROGRAM = """

@@ -506,7 +506,7 @@ def table(report) -> str:
             if values:
                 mean = math.exp(sum(math.log(v) for v in values) / len(values))
                 lines.append(f"\ngeometric mean of stock / {config}, {what} time: {mean:.3f} "
-                             f"({len(values)} programs)")
+                             f"({len(values)} program{'s' * (len(values) > 1)})")
         if any(paired[config]):
             lines.append(_pairs(config, paired[config]))
         lines.append(_within(config, judged[config]))
