@@ -240,9 +240,10 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), pin
          checkpoint=None, short_rounds=None) -> dict:
     """The run itself, its arguments checked (:func:`run`)."""
     raw, skipped, processes = {}, {}, []
+    short_rounds = programs.short_rounds_of(rounds, short_rounds)
 
     def report_of(results, skipped_cases):
-        extra = {"short_rounds": programs.short_rounds_of(rounds, short_rounds)} if found is not None else {}
+        extra = {"short_rounds": short_rounds} if found is not None else {}
         return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds, **extra,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped_cases,
                 "processes": processes, "cpus": pinned}
