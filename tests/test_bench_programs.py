@@ -133,7 +133,7 @@ def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monke
 
     with pytest.raises(KeyboardInterrupt):
         bench._run([], False, ["stock", "auto"], 2, io.StringIO(), caps, {"cupy": str(tmp_path)}, (prog,),
-                   checkpoint=checkpoint)
+                   pinned=None, checkpoint=checkpoint, short_rounds=programs.short_rounds_of(2))  # as run() settles it
     out = tmp_path / "out" / "bench.partial.json"
     report = json.loads(out.read_text())
     per = report["results"]["program cg"]

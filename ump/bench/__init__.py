@@ -236,11 +236,11 @@ def _pin(spec: str, progress) -> tuple[dict, set]:
     return {"asked": spec, "used": chosen}, set(usable)
 
 
-def _run(suites, smoke, configs, rounds, progress, caps, found, selected=(), pinned=None,
-         checkpoint=None, short_rounds=None) -> dict:
-    """The run itself, its arguments checked (:func:`run`)."""
+def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned, checkpoint,
+         short_rounds: int) -> dict:
+    """The run itself, its arguments checked and ``short_rounds`` settled
+    (:func:`run`)."""
     raw, skipped, processes = {}, {}, []
-    short_rounds = programs.short_rounds_of(rounds, short_rounds)
 
     def report_of(results, skipped_cases):
         extra = {"short_rounds": short_rounds} if found is not None else {}
