@@ -58,8 +58,10 @@ def _host_readers(cupy):
 
     unified = ("managed", "pinned", "system")
     return {
-        "cupy.asnumpy": (cupy.asnumpy, unified),
-        "ndarray.get": (lambda g: g.get(), unified),
+        # the arrays here (128 KiB) are small results CuPy made, which
+        # get() copies out of managed memory (test_small_results_... below)
+        "cupy.asnumpy": (cupy.asnumpy, ("pinned", "system")),
+        "ndarray.get": (lambda g: g.get(), ("pinned", "system")),
         "numpy.asarray": (np.asarray, unified),
         "numpy.array": (lambda g: np.array(g), ()),
         "numpy.from_dlpack": (np.from_dlpack, unified),
@@ -129,6 +131,35 @@ def test_host_reader_waits_for_the_kernel(gpu_backend, path, record):
         same.add(out.__array_interface__["data"][0] == g.data.ptr)
     assert same == {name in shares}
     record(path=path, backend=name, result="shares" if name in shares else "copies", waits=ROUNDS)
+
+
+def test_small_results_cupy_made_in_managed_memory_are_copied_by_get(gpu_backend):
+    """``get()`` and ``cupy.asnumpy`` copy an array that CuPy made in a
+    managed block smaller than ``prefetch_min`` (2 MiB): its pages are on
+    the GPU, and a read in place faults them over to the host and the next
+    kernel there faults them back (PyLops's solvers read such arrays each
+    step). Larger results, NumPy's memory handed to CuPy, every array on
+    the other backends, and ``ump.asnumpy`` and ``numpy.asarray`` share."""
+    name, cupy = gpu_backend
+    small = cupy.arange(1 << 10, dtype=cupy.float64)  # 8 KiB
+    large = cupy.arange(1 << 19, dtype=cupy.float64)  # 4 MiB
+    handed = cupy.asarray(np.arange(1 << 10, dtype=np.float64))
+    cupy.cuda.runtime.deviceSynchronize()  # a non-blocking stream does not wait for arange
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for g in (small, large, handed):
+            g *= 2  # the reads below wait for these
+    for read in (cupy.asnumpy, lambda g: g.get()):
+        for g in (small, large, handed):
+            h = read(g)
+            assert h[-1] == 2.0 * (g.size - 1) and (h == 2 * np.arange(g.size)).all()
+            shared = h.ctypes.data == g.data.ptr
+            assert shared == (name != "managed" or g is not small), (name, g.nbytes)
+    assert ump.asnumpy(small).ctypes.data == small.data.ptr
+    assert np.asarray(small).ctypes.data == small.data.ptr
+    copy = small.get()
+    copy[0] = -1.0  # a copy: CuPy's array keeps its values
+    assert float(small[0]) == (0.0 if name == "managed" else -1.0)
 
 
 def test_a_scalar_is_the_value_the_kernel_wrote_and_managed_memory_copies_it(gpu_backend, monkeypatch):
@@ -410,8 +441,8 @@ def test_torch_both_ways(gpu_backend):
     torch.cuda.synchronize()
     host = cupy.asnumpy(g)  # CuPy and NumPy see PyTorch's write
     assert host[5] == 10.0
-    if name != "device":
-        assert np.asarray(g).ctypes.data == g.data.ptr == host.ctypes.data
+    if name != "device":  # cupy.asnumpy copies small results on managed memory; these share
+        assert np.asarray(g).ctypes.data == g.data.ptr == ump.asnumpy(g).ctypes.data
     back = cupy.from_dlpack(t)  # and back: the same memory
     assert back.data.ptr == g.data.ptr
     # PyTorch's own memory into CuPy and NumPy, as with stock CuPy

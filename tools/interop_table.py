@@ -59,6 +59,12 @@ def render(lines, machine: str) -> str:
         out.append(f"| `{path}` | {side} | " + " | ".join(cells) + " |")
     out += [
         "",
+        "The host readers read arrays of 128 KiB that CuPy made. On `managed`, `cupy.asnumpy` and "
+        "`ndarray.get` copy such an array (one CuPy made, in a block smaller than `prefetch_min`, 2 MiB): its pages are on "
+        "the GPU, and a read in place would fault them over and the next kernel there fault them back. "
+        "They share larger results and NumPy's memory handed to CuPy, and `ump.asnumpy` and "
+        "`numpy.asarray` share every one ([backends.md](backends.md#managed-cumemallocmanaged)).",
+        "",
         "*copies* for `pickle`, `tolist`, `item` and `repr` means the reader gets values (a new array or "
         "Python objects), read from the shared memory after the wait. `numpy.from_dlpack` on the `device` "
         "backend is refused by NumPy, as with stock CuPy (device memory, no copy asked for); "

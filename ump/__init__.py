@@ -2,7 +2,9 @@
 
 Set ``CUPY_ENABLE_UMP=1``, call :func:`ump.enable` before or after importing
 CuPy, and NumPy and CuPy share memory: ``cupy.asarray(numpy_array)`` and
-``cupy.asnumpy(cupy_array)`` keep the address and copy nothing.
+``cupy.asnumpy(cupy_array)`` keep the address and copy nothing (small
+arrays that CuPy made in managed memory excepted: those are copied, which
+costs less than the page faults a read in place takes).
 
 Importing ump neither imports CuPy nor touches the GPU; its C core loads at
 the first use of a name that needs it, so that tools which only import ump

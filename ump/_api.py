@@ -120,13 +120,15 @@ def asarray(obj):
 
 def asnumpy(obj, stream=None):
     """A NumPy array sharing a CuPy array's memory where ump can, else a copy;
-    waits for the GPU work first."""
+    waits for the GPU work first. Unlike ``cupy.asnumpy``, it also shares
+    the small arrays CuPy made in managed memory, whose pages the host's
+    reads then fault over from the GPU."""
     state = _require(gpu=True)
     if isinstance(obj, numpy.ndarray):
         return obj
     if not _is_cupy_array(obj):
         raise TypeError(f"ump.asnumpy() takes a CuPy or NumPy array, not {type(obj).__name__!r}")
-    return state.cupy.get(obj, stream=stream, order="A")
+    return state.cupy.get(obj, stream=stream, order="A", share_results=True)
 
 
 def _managed_range(array):
