@@ -243,7 +243,9 @@ class Options:
         and leaves on the GPU a block that CuPy keeps while the host reads a
         little of it at each export (docs/backends.md).
     prefetch_min : int
-        Blocks smaller than this (bytes, default 2 MiB) are never migrated.
+        Blocks smaller than this (bytes, default 2 MiB) are never migrated;
+        ``get()`` and ``cupy.asnumpy`` copy the results CuPy made in such
+        blocks of managed memory instead of sharing them.
     sync : {"device", "stream"}
         What a host export waits for: every kernel of the device (default;
         CuPy does not record which stream wrote an array), or only the stream
