@@ -460,3 +460,50 @@ def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work(m
     with pytest.raises(AssertionError, match="scanned"):
         sides.unordered_work_possible()
     assert blocking and defaults
+
+
+def test_get_copies_the_small_results_cupy_made_in_managed_memory(monkeypatch):
+    """``get()`` shares what the host can read in place, but copies (CuPy's
+    own ``get``) an array CuPy made in managed memory that spans less than
+    ``prefetch_min``: a small result, or a small piece of a larger one
+    (CuPy's pool also splits a larger free block for a small array).
+    Larger results, NumPy's memory, pinned memory and ``share_results``
+    (``ump.asnumpy``) are shared. Stand-ins for CuPy and the registry; the
+    GPU test is test_gpu_interop.py's."""
+    import types
+
+    from ump import _cupy_hook
+
+    memory = np.zeros(8 << 20, dtype=np.uint8)  # what the stand-in arrays view
+    base, numpy_arena, cupy_arena, mib = memory.ctypes.data, 1, 2, 1 << 20
+    blocks = [("managed", base, 4 * mib, cupy_arena), ("managed", base + 4 * mib, mib, cupy_arena),
+              ("managed", base + 5 * mib, mib, numpy_arena), ("pinned", base + 6 * mib, mib, cupy_arena)]
+
+    def lookup_owner(ptr):
+        return next(((kind, b, size, owner) for kind, b, size, owner in blocks if b <= ptr < b + size),
+                    (None, 0, 0, -1))
+
+    monkeypatch.setattr(_cupy_hook._core, "lookup_owner", lookup_owner)
+    hook = _cupy_hook.CupyHook.__new__(_cupy_hook.CupyHook)
+    hook.numpy_arena = numpy_arena
+    hook.placement = types.SimpleNamespace(min_bytes=2 * mib, on_host_export=lambda *args: None,
+                                           on_result_export=lambda *args: None)
+    hook.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+        runtime=types.SimpleNamespace(streamIsCapturing=lambda stream: False)))
+    hook.patches = types.SimpleNamespace(original={"get": lambda g, **kwargs: "CuPy's copy"})
+
+    def shared(offset, nbytes, **kwargs):
+        n = nbytes // 8
+        g = types.SimpleNamespace(size=n, shape=(n,), strides=(8,), dtype=np.dtype("f8"),
+                                  flags=types.SimpleNamespace(c_contiguous=True, f_contiguous=True),
+                                  data=types.SimpleNamespace(ptr=base + offset, device_id=0))
+        out = hook.get(g, blocking=False, **kwargs)  # no wait: nothing runs here
+        return not isinstance(out, str) and out.ctypes.data == g.data.ptr
+
+    assert shared(0, 4 * mib)  # a result the placement follows
+    assert not shared(0, 8 << 10)  # a small piece of it
+    assert not shared(4 * mib, mib)  # a small result
+    assert shared(4 * mib, mib, share_results=True)  # ump.asnumpy
+    assert shared(5 * mib, mib)  # NumPy's memory handed to CuPy
+    assert shared(6 * mib, mib)  # pinned memory

@@ -134,32 +134,35 @@ def test_host_reader_waits_for_the_kernel(gpu_backend, path, record):
 
 
 def test_small_results_cupy_made_in_managed_memory_are_copied_by_get(gpu_backend):
-    """``get()`` and ``cupy.asnumpy`` copy an array that CuPy made in a
-    managed block smaller than ``prefetch_min`` (2 MiB): its pages are on
-    the GPU, and a read in place faults them over to the host and the next
-    kernel there faults them back (PyLops's solvers read such arrays each
-    step). Larger results, NumPy's memory handed to CuPy, every array on
-    the other backends, and ``ump.asnumpy`` and ``numpy.asarray`` share."""
+    """``get()`` and ``cupy.asnumpy`` copy an array that CuPy made in
+    managed memory spanning less than ``prefetch_min`` (2 MiB), a small
+    result or a small piece of a larger one: its pages are on the GPU, and
+    a read in place faults them over to the host and the next kernel there
+    faults them back (PyLops's solvers read such arrays each step). Larger
+    results and NumPy's memory handed to CuPy are shared, as is every array
+    on the other unified backends, and ``ump.asnumpy`` and
+    ``numpy.asarray`` share them all; ``device`` copies everything."""
     name, cupy = gpu_backend
     small = cupy.arange(1 << 10, dtype=cupy.float64)  # 8 KiB
     large = cupy.arange(1 << 19, dtype=cupy.float64)  # 4 MiB
     handed = cupy.asarray(np.arange(1 << 10, dtype=np.float64))
     cupy.cuda.runtime.deviceSynchronize()  # a non-blocking stream does not wait for arange
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    with cupy.cuda.Stream(non_blocking=True):
         for g in (small, large, handed):
-            g *= 2  # the reads below wait for these
+            g *= 2
+    piece = large[:1 << 10]  # 8 KiB of a larger result
+    unified = name != "device"
     for read in (cupy.asnumpy, lambda g: g.get()):
-        for g in (small, large, handed):
+        for g in (small, large, handed, piece):
             h = read(g)
-            assert h[-1] == 2.0 * (g.size - 1) and (h == 2 * np.arange(g.size)).all()
+            assert (h == 2 * np.arange(g.size)).all()
             shared = h.ctypes.data == g.data.ptr
-            assert shared == (name != "managed" or g is not small), (name, g.nbytes)
-    assert ump.asnumpy(small).ctypes.data == small.data.ptr
-    assert np.asarray(small).ctypes.data == small.data.ptr
+            assert shared == (unified and (name != "managed" or g is large or g is handed)), (name, g.nbytes)
+    assert (ump.asnumpy(small).ctypes.data == small.data.ptr) == unified
+    assert (np.asarray(small).ctypes.data == small.data.ptr) == unified
     copy = small.get()
-    copy[0] = -1.0  # a copy: CuPy's array keeps its values
-    assert float(small[0]) == (0.0 if name == "managed" else -1.0)
+    copy[0] = -1.0  # where get() copied, CuPy's array keeps its value
+    assert float(small[0]) == (-1.0 if name in ("pinned", "system") else 0.0)
 
 
 def test_a_scalar_is_the_value_the_kernel_wrote_and_managed_memory_copies_it(gpu_backend, monkeypatch):

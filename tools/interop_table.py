@@ -60,7 +60,7 @@ def render(lines, machine: str) -> str:
     out += [
         "",
         "The host readers read arrays of 128 KiB that CuPy made. On `managed`, `cupy.asnumpy` and "
-        "`ndarray.get` copy such an array (one CuPy made, in a block smaller than `prefetch_min`, 2 MiB): its pages are on "
+        "`ndarray.get` copy such an array (one CuPy made, spanning less than `prefetch_min`, 2 MiB): its pages are on "
         "the GPU, and a read in place would fault them over and the next kernel there fault them back. "
         "They share larger results and NumPy's memory handed to CuPy, and `ump.asnumpy` and "
         "`numpy.asarray` share every one ([backends.md](backends.md#managed-cumemallocmanaged)).",

@@ -304,10 +304,12 @@ class CupyHook:
         return out
 
     # --- CuPy -> host -------------------------------------------------------
-    def export(self, g, sync=True, stream=None):
+    def export(self, g, sync=True, stream=None, small_results=True):
         """The array interface of ``g`` for the host, once the GPU is done
         with it (and ump brought it back if ump had migrated it); None if
-        ``g`` is not in host-visible ump memory (nothing waited for then)."""
+        ``g`` is not in host-visible ump memory, or, unless
+        ``small_results``, is a small result (:meth:`get`); nothing is
+        waited for then."""
         if g.size == 0:
             return None
         ptr = g.data.ptr
@@ -315,6 +317,9 @@ class CupyHook:
         if found is None:
             return None
         kind, base, size, lo, hi, owner = found
+        if (not small_results and kind == "managed" and owner != self.numpy_arena
+                and hi - lo < self.placement.min_bytes):
+            return None
         waited = None
         if sync:
             waited = self.synchronize(stream, g.data.device_id, exporting=(base, size))
@@ -337,9 +342,10 @@ class CupyHook:
             pass  # fields out of order or overlapping: no descr says it; host_view restores the dtype
         return iface
 
-    def host_view(self, g, sync=True, stream=None):
-        """A NumPy array over ``g``'s memory after the wait, or None."""
-        iface = self.export(g, sync, stream)
+    def host_view(self, g, sync=True, stream=None, small_results=True):
+        """A NumPy array over ``g``'s memory after the wait, or None
+        (:meth:`export`)."""
+        iface = self.export(g, sync, stream, small_results)
         if iface is None:
             return None
         view = numpy.asarray(_Export(iface, g))
@@ -414,18 +420,20 @@ class CupyHook:
 
     def get(self, g, stream=None, order="C", out=None, blocking=True, share_results=False):
         """Stands in for ``cupy.ndarray.get``: ``g``'s own memory where the
-        host can read it in place, else a copy; after the wait either way.
+        host can read it in place, else a copy; after the wait where
+        ``blocking``.
 
-        An array CuPy made in a managed block smaller than the placement
-        follows (``prefetch_min``) is copied, as stock CuPy copies it, unless
-        ``share_results`` (``ump.asnumpy``): the GPU holds its pages, so a
-        read in place would fault them over to the host, and the next kernel
-        writing there (CuPy's pool hands the block out again; a slab's
-        blocks share pages) would fault them back. A solver that reads an
-        800 KB result each step paid 1.2 ms a step for that, against 0.2 ms
-        for the copy and 0.44 ms for stock CuPy's (docs/backends.md)."""
-        if out is None and _layout_ok(g, order) and (share_results or not self._small_result(g)):
-            view = self.host_view(g, sync=blocking, stream=stream)
+        A small result is copied, as stock CuPy copies it, unless
+        ``share_results`` (``ump.asnumpy``): an array CuPy made in managed
+        memory (not NumPy's) spanning less than ``prefetch_min``, which the
+        placement does not follow. The GPU holds its pages, so a read in
+        place would fault them over to the host, and the next kernel
+        writing there (CuPy's pool hands the memory out again; a slab's
+        blocks share pages) would fault them back: a solver that reads an
+        800 KB result each step took 1.2 ms a step so, 0.34 ms with the
+        copy and 0.44 ms under stock CuPy (docs/backends.md)."""
+        if out is None and _layout_ok(g, order):
+            view = self.host_view(g, sync=blocking, stream=stream, small_results=share_results)
             if view is not None:
                 return view
         if blocking:
@@ -435,12 +443,6 @@ class CupyHook:
         with OwnWaits():  # CuPy's copy waits for the stream it queued on
             return self.patches.original["get"](g, stream=stream, order=order, out=out,
                                                 blocking=blocking)
-
-    def _small_result(self, g) -> bool:
-        """Whether ``g`` lies in a block of managed memory that CuPy made
-        (not NumPy's), too small for the placement to follow."""
-        kind, _, size, owner = _core.lookup_owner(g.data.ptr)
-        return kind == "managed" and owner != self.numpy_arena and size < self.placement.min_bytes
 
     def host_array(self, g, dtype=None, copy=None):
         """``numpy.asarray(g)`` under ump: shared where the memory is

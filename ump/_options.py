@@ -244,8 +244,8 @@ class Options:
         little of it at each export (docs/backends.md).
     prefetch_min : int
         Blocks smaller than this (bytes, default 2 MiB) are never migrated;
-        ``get()`` and ``cupy.asnumpy`` copy the results CuPy made in such
-        blocks of managed memory instead of sharing them.
+        ``get()`` and ``cupy.asnumpy`` copy the arrays CuPy made in managed
+        memory that span less than this, instead of sharing them.
     sync : {"device", "stream"}
         What a host export waits for: every kernel of the device (default;
         CuPy does not record which stream wrote an array), or only the stream
