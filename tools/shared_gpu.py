@@ -13,8 +13,8 @@ what managed memory costs without ump), and any backend name of ump
 (``auto``, ``managed``, ``pinned``, ``device``: ``-p ump.pytest_plugin
 --ump=NAME``). Prints each run's wall seconds, the tests' seconds summed
 per module (from pytest's JUnit report), and where a test's outcome differs
-from the first configuration's. Nothing here asserts: the figures go to
-docs/performance.md (run 26).
+from the first configuration's. Nothing here asserts; run 26 in
+docs/performance.md made the same runs by hand.
 """
 
 from __future__ import annotations
@@ -112,10 +112,10 @@ def main(argv=None) -> int:
             differ = [t for t in first if results.get(t, ("absent",))[0] != first[t][0]]
             print(f"{config}: wall {wall:.1f} s, tests summed {sum(s for _, s in results.values()):.1f} s, "
                   f"{len(differ)} outcomes differ from {configs[0]}'s" + (f": {differ[:5]}" if differ else ""))
-    modules = by_module(runs[configs[0]][0][1])
+    sums = {c: by_module(runs[c][0][1]) for c in configs}  # first round
     print("module | " + " | ".join(configs) + "  (tests summed, s; first round)")
-    for module, _ in modules.most_common(opts.modules):
-        print(module + " | " + " | ".join(f"{by_module(runs[c][0][1])[module]:.1f}" for c in configs))
+    for module, _ in sums[configs[0]].most_common(opts.modules):
+        print(module + " | " + " | ".join(f"{sums[c][module]:.1f}" for c in configs))
     return 0
 
 

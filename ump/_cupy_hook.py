@@ -304,11 +304,11 @@ class CupyHook:
         return out
 
     # --- CuPy -> host -------------------------------------------------------
-    def export(self, g, sync=True, stream=None, small_results=True):
+    def export(self, g, sync=True, stream=None, share_results=True):
         """The array interface of ``g`` for the host, once the GPU is done
         with it (and ump brought it back if ump had migrated it); None if
         ``g`` is not in host-visible ump memory, or, unless
-        ``small_results``, is a small result (:meth:`get`); nothing is
+        ``share_results``, is a small result (:meth:`get`); nothing is
         waited for then."""
         if g.size == 0:
             return None
@@ -317,7 +317,7 @@ class CupyHook:
         if found is None:
             return None
         kind, base, size, lo, hi, owner = found
-        if (not small_results and kind == "managed" and owner != self.numpy_arena
+        if (not share_results and kind == "managed" and owner != self.numpy_arena
                 and hi - lo < self.placement.min_bytes):
             return None
         waited = None
@@ -342,10 +342,10 @@ class CupyHook:
             pass  # fields out of order or overlapping: no descr says it; host_view restores the dtype
         return iface
 
-    def host_view(self, g, sync=True, stream=None, small_results=True):
+    def host_view(self, g, sync=True, stream=None, share_results=True):
         """A NumPy array over ``g``'s memory after the wait, or None
         (:meth:`export`)."""
-        iface = self.export(g, sync, stream, small_results)
+        iface = self.export(g, sync, stream, share_results)
         if iface is None:
             return None
         view = numpy.asarray(_Export(iface, g))
@@ -433,7 +433,7 @@ class CupyHook:
         800 KB result each step took 1.2 ms a step so, 0.34 ms with the
         copy and 0.44 ms under stock CuPy (docs/backends.md)."""
         if out is None and _layout_ok(g, order):
-            view = self.host_view(g, sync=blocking, stream=stream, small_results=share_results)
+            view = self.host_view(g, sync=blocking, stream=stream, share_results=share_results)
             if view is not None:
                 return view
         if blocking:
