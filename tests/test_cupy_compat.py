@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -388,8 +389,8 @@ def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work(m
     finishing what was queued unwatched); after it the default handles and
     blocking streams keep the answer no, and a non-blocking stream made
     before ``enable()`` (found by the scan), one made after (noted by the
-    patched ``__init__``), a foreign handle whose flags cannot be read and
-    an export to another GPU library make it yes, for good. A stream object
+    patched ``__init__``) and a foreign handle whose flags cannot be read
+    make it yes, for good (exports: the next test). A stream object
     with no handle yet (``__new__`` alone) is no work. After an ``enable()``
     that imported CuPy itself nothing ran unwatched: no wait first, no scan."""
     import types
@@ -441,14 +442,6 @@ def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work(m
             patches.restore()
         assert BaseStream.__init__ is original  # restore() put it back
 
-    sides = SideStreams(cupy)
-    sides.unordered_work_possible()
-    assert sides.unordered_work_possible() is False
-    sides.exported()  # another GPU library took an array: its streams are unseen
-    assert sides.unordered_work_possible() is True
-    sides.rescan(scan=False)
-    assert sides.unordered_work_possible() is True  # seen once, the answer stays
-
     def no_scan(*classes):
         raise AssertionError("scanned the collector's objects")
 
@@ -460,6 +453,101 @@ def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work(m
     with pytest.raises(AssertionError, match="scanned"):
         sides.unordered_work_possible()
     assert blocking and defaults
+
+
+def test_side_streams_keep_the_blocks_handed_to_other_libraries_apart(monkeypatch):
+    """An export to another GPU library makes the answer yes for the block
+    of ump's memory handed over, for good, and for every block once more
+    than ``MAX_EXPORTED`` were; memory not ump's changes nothing (its reads
+    wait first anyway)."""
+    import types
+
+    from ump._cupy_compat import SideStreams
+
+    BaseStream, Stream = _stream_classes()
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Stream=Stream, runtime=types.SimpleNamespace(streamLegacy=1, streamPerThread=2)))
+    sides = SideStreams(cupy)
+    sides.unordered_work_possible()
+    assert sides.unordered_work_possible() is False
+    sides.exported(None)  # memory not ump's: its reads wait first anyway
+    assert sides.unordered_work_possible() is False
+    sides.exported(0x1000)  # another GPU library took ump's block there: its streams are unseen
+    assert sides.unordered_work_possible(0x1000) is True
+    assert sides.unordered_work_possible(0x2000) is False  # other blocks' reads stay one round trip
+    assert sides.unordered_work_possible() is True  # "any block": one was handed over
+    sides.rescan(scan=False)
+    assert sides.unordered_work_possible(0x1000) is True  # seen once, the answer stays
+    assert sides.unordered_work_possible(0x2000) is False
+    monkeypatch.setattr(SideStreams, "MAX_EXPORTED", 3)
+    for block in (0x2000, 0x3000, 0x2000):
+        sides.exported(block)
+        assert sides.unordered_work_possible(0x4000) is False  # three blocks kept apart
+    sides.exported(0x4000)  # past MAX_EXPORTED: every read waits first
+    assert sides.unordered_work_possible(0x5000) is True and sides.seen is True
+
+
+def test_a_copy_on_the_null_stream_is_not_waited_for_first(monkeypatch):
+    """``get()`` of an array the host cannot share is CuPy's own copy. On
+    CuPy's null stream (the legacy default stream, behind every blocking
+    stream's work), with one GPU and no stream that stream does not follow
+    that may have work on the array's block of ump's memory, that copy is
+    the only wait: one round trip to the GPU, as with stock CuPy, weighed
+    by the placement as the wait was. Otherwise ump waits for the device
+    first: a non-blocking stream, a block handed to another GPU library,
+    another stream named or current, several GPUs, memory not ump's.
+    Stand-ins for CuPy and the registry; the GPU tests are
+    test_gpu_interop.py's."""
+    import types
+
+    from ump import _cupy_hook
+    from ump._cupy_compat import SideStreams
+
+    ump_block, foreign = 0x10000, 0x90000
+    monkeypatch.setattr(_cupy_hook._core, "lookup_ids", lambda ptr: (
+        (_cupy_hook._core.KIND_MANAGED, ump_block, 1 << 20, 1) if ptr < foreign else (0, 0, 0, -1)))
+    current = types.SimpleNamespace(ptr=0)
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: current,
+        runtime=types.SimpleNamespace(streamIsCapturing=lambda stream: False)))
+    hook = _cupy_hook.CupyHook.__new__(_cupy_hook.CupyHook)
+    hook.cupy = cupy
+    sides = hook.side_streams = SideStreams.__new__(SideStreams)
+    sides.seen, sides.exported_blocks, sides._lock = False, set(), threading.RLock()
+    gpus = [1]
+    hook.release = types.SimpleNamespace(one_gpu=lambda: gpus[0] == 1)
+    calls = []
+    hook.synchronize = lambda stream=None, device=None: calls.append("wait first")
+    hook._weigh = lambda start, device: calls.append("copy weighed")
+    hook.patches = types.SimpleNamespace(original={"get": lambda g, **kw: calls.append("copy") or "host copy"})
+    hook.host_view = lambda *a, **kw: None  # nothing the host can share
+
+    def get(ptr=ump_block + 64, **kwargs):
+        calls.clear()
+        g = types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr, device_id=0),
+                                  flags=types.SimpleNamespace(c_contiguous=True, f_contiguous=False))
+        assert hook.get(g, **kwargs) == "host copy"
+        return calls[:]
+
+    one_trip, two = ["copy", "copy weighed"], ["wait first", "copy"]
+    assert get() == one_trip
+    assert get(stream=types.SimpleNamespace(ptr=0)) == one_trip  # the null stream named
+    assert get(stream=types.SimpleNamespace(ptr=0xbeef)) == two  # a stream of its own
+    assert get(ptr=foreign) == two  # memory not ump's: another library's streams may write it
+    current.ptr = 2  # the per-thread default stream: it follows the legacy one only
+    assert get() == two
+    current.ptr = 0
+    gpus[0] = 2  # another GPU may write it through peer access
+    assert get() == two
+    gpus[0] = 1
+    assert get(blocking=False) == ["copy"]  # nothing is waited for
+    sides.exported(ump_block + (4 << 20))  # another block handed to PyTorch
+    assert get() == one_trip
+    sides.exported(ump_block)  # this one
+    assert get() == two
+    sides.exported_blocks.clear()
+    sides.seen = True  # a non-blocking stream was made
+    assert get() == two
 
 
 def test_get_copies_the_small_results_cupy_made_in_managed_memory(monkeypatch):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import ump
+from ump import _core
 
 #: Every backend with a GPU side, the device backend included.
 pytestmark = [pytest.mark.gpu,
@@ -312,6 +313,58 @@ def test_a_scalar_read_waits_first_once_a_stream_the_legacy_one_does_not_follow_
     finally:
         runtime.deviceSynchronize()
         runtime.streamDestroy(handle)
+
+
+def test_a_block_handed_to_another_library_is_waited_for_first_and_no_other(gpu_backend, monkeypatch):
+    """Once an array was handed to another GPU library, reads of its block
+    wait for the device before they copy: the library may write it on a
+    stream of its own (here a real non-blocking stream ump was not told
+    of, standing for PyTorch's). Reads of every other block stay one round
+    trip, as with stock CuPy: a scalar's copy queued on the legacy stream
+    before the wait, and ``get()``'s copy (CuPy's own, on its null stream)
+    with no wait before it. Each read sees the value the last kernel
+    wrote."""
+    name, cupy = gpu_backend
+    hook = ump._enable.current().cupy
+    sides, runtime = hook.side_streams, cupy.cuda.runtime
+    monkeypatch.setattr(sides, "seen", False)  # the streams of earlier tests are gone
+    monkeypatch.setattr(sides, "exported_blocks", set())
+    with monkeypatch.context() as m:
+        m.setattr(sides, "note", lambda stream: None)
+        unseen = cupy.cuda.Stream(non_blocking=True)
+    hook.pool.free_all_blocks()  # no cached block for CuPy's pool to split for both arrays
+    handed, kept = cupy.zeros(N, dtype=cupy.float64), cupy.zeros(N, dtype=cupy.float64)
+    assert handed.__cuda_array_interface__["data"][0] == handed.data.ptr  # Numba, say, takes it
+    handed_block, kept_block = (_core.lookup_ids(a.data.ptr)[1] for a in (handed, kept))
+    if handed_block == kept_block:
+        pytest.skip("CuPy's pool put both arrays in one block of ump's")
+    assert sides.unordered_work_possible(handed_block) is True
+    assert sides.unordered_work_possible(kept_block) is False
+    waits, queued = [], []
+    wait_for, copy_async = hook.release.wait_for, runtime.memcpyAsync
+    monkeypatch.setattr(hook.release, "wait_for", lambda *a: waits.append("wait") or wait_for(*a))
+    monkeypatch.setattr(runtime, "memcpyAsync", lambda *a: queued.append(a[-1]) or copy_async(*a))
+    for value in (1.0, 2.0):
+        _race(cupy, handed, unseen, value)
+        assert float(handed[-1]) == value, f"{value}: read before the other library's kernel finished"
+        _race(cupy, handed, unseen, value + 10)
+        assert cupy.asnumpy(handed[-4:])[-1] == value + 10, f"{value}: a copy overtook the kernel"
+        _race(cupy, kept, cupy.cuda.Stream.null, value + 20)
+        assert cupy.asnumpy(kept[-4:])[-1] == value + 20, f"{value}: a copy overtook the kernel"
+    if not hook.release.one_gpu() or name not in ("managed", "device"):
+        return  # several GPUs: every read waits first; pinned memory is read in place, after the wait
+    waits.clear()
+    cupy.asnumpy(kept[:4])
+    assert waits == [], "get() of a block no other library has waited for the device first"
+    cupy.asnumpy(handed[:4])
+    assert waits == ["wait"], "get() of the handed block did not wait for the device first"
+    if name == "managed":  # scalars are read by ump in managed memory only
+        queued.clear()
+        float(kept[-1])
+        assert queued == [sides.legacy], "a scalar of another block did not queue its copy before the wait"
+        queued.clear()
+        float(handed[-1])
+        assert queued == [], "a scalar of the handed block queued its copy before the wait"
 
 
 def test_an_enable_that_imports_cupy_looks_for_no_stream_made_before_it(gpu_backend, tmp_path):

@@ -298,7 +298,20 @@ class SideStreams(OnePerCupy):
     ``enable()`` (:meth:`rescan`) the answer is yes, so that read waits for
     the device first and finishes whatever was queued while ump was not
     watching (on a stream since dropped, too); the streams alive then are
-    looked at for the questions after it."""
+    looked at for the questions after it.
+
+    An export is noted by the block of ump's memory it hands over: only that
+    memory can the other library's streams write unseen, so only reads of
+    it wait first. A program that hands one array to PyTorch or Numba then
+    keeps its other reads at one round trip each, which counts where
+    several processes share the GPU and every round trip waits its turn
+    (PyLops's tests in four processes: docs/performance.md, run 27). A
+    block stays noted after its arrays are gone: the other library may
+    still have work queued on it, and CuPy's pool hands the memory out
+    again. Past ``MAX_EXPORTED`` blocks the answer is yes for every read."""
+
+    #: Blocks whose exports are kept apart; past them every read waits first.
+    MAX_EXPORTED = 4096
 
     def __init__(self, cupy):
         runtime = cupy.cuda.runtime
@@ -312,14 +325,17 @@ class SideStreams(OnePerCupy):
         #: Stream.from_external all initialise through its ``__init__``.
         self.base = stream_base(cupy)
         self.seen = None  # None: not asked since the last enable()
+        self.exported_blocks: set[int] = set()  # bases of ump's blocks handed to other GPU libraries
         # A stream noted while another thread scans must not be overwritten
         # by the scan's answer: the answer is set under the lock, or only
         # ever raised to True. Reentrant: a collection during the scan can
         # run a finaliser that makes a stream.
         self._lock = threading.RLock()
 
-    def unordered_work_possible(self) -> bool:
-        """Whether work may be queued on a stream the legacy default stream does not follow."""
+    def unordered_work_possible(self, block: int | None = None) -> bool:
+        """Whether work may be queued on a stream the legacy default stream
+        does not follow: CuPy's anywhere, or another library's on ump's
+        block at ``block`` (None: any block handed over)."""
         seen = self.seen
         if seen is None:
             with self._lock:
@@ -327,17 +343,29 @@ class SideStreams(OnePerCupy):
                     self.seen = self._scan()
                     return True  # the first question since enable(): wait for what was not watched
                 seen = self.seen
-        return seen
+        if seen:
+            return True
+        exported = self.exported_blocks
+        return bool(exported) if block is None else block in exported
 
     def note(self, stream) -> None:
         """A CuPy stream object was just made."""
         if self.seen is not True and self._unordered(stream):
             self._mark_unordered()
 
-    def exported(self) -> None:
-        """An array was handed to another GPU library, which may write it on its own streams."""
-        if self.seen is not True:
+    def exported(self, block: int | None = None) -> None:
+        """An array was handed to another GPU library, which may write it on
+        its own streams: an array of ump's block at ``block``, or of memory
+        not ump's (None), whose reads wait first anyway (:meth:`CupyHook.get`)."""
+        if block is None or self.seen is True:
+            return
+        exported = self.exported_blocks
+        if block in exported:
+            return
+        if len(exported) >= self.MAX_EXPORTED:
             self._mark_unordered()
+        else:
+            exported.add(block)  # set.add holds the GIL: no lock
 
     def rescan(self, scan: bool = True) -> None:
         """``enable()``: the next question waits, then looks at the streams

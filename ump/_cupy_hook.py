@@ -56,6 +56,8 @@ __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
 
 #: Kinds whose blocks a kernel can use at their host address.
 GPU_KINDS = frozenset({"system", "managed", "pinned"})
+#: The kind ids ``_core.lookup_ids`` gives ump's memory (any backend's).
+_UMP_KIND_IDS = frozenset(_core.KIND_IDS.values())
 
 #: Pinned buffers of hooks uninstalled in a forked child, which must not free them.
 _KEPT_IN_CHILD: list = []
@@ -214,13 +216,16 @@ class CupyHook:
                            "the host cannot read CuPy's results and ump cannot wait for the GPU "
                            "(end the capture and launch the graph first)")
 
-    def wait_before_gpu_export(self, device, consumer_stream=None) -> bool:
-        """Before another GPU library takes the array: wait for the device
+    def wait_before_gpu_export(self, g, consumer_stream=None) -> bool:
+        """Before another GPU library takes ``g``: wait for its device
         (True), unless the current stream or the consumer's (a handle, as
         DLPack passes it) captures a graph (False). Then nothing has run,
         and stream order alone must do: CuPy's own export orders the
         consumer's stream after its current one, or names it."""
-        self.side_streams.exported()  # the consumer may write it on a stream of its own
+        kind, base, _, _ = _core.lookup_ids(g.data.ptr)
+        # the consumer may write the block on a stream of its own
+        self.side_streams.exported(base if kind in _UMP_KIND_IDS else None)
+        device = g.data.device_id
         if capturing(self.cupy) or (isinstance(consumer_stream, int) and consumer_stream > 0
                                     and capturing(self.cupy, consumer_stream)):
             return False
@@ -378,7 +383,7 @@ class CupyHook:
             return None
         if itemsize > _ELEMENT_BYTES:  # a wide structured element: pageable memory, as stock CuPy's copy
             host = ctypes.create_string_buffer(itemsize)
-            self._copy_element(ctypes.addressof(host), ptr, itemsize, data.device_id)
+            self._copy_element(ctypes.addressof(host), ptr, itemsize, data.device_id, base)
             return _converted(host, dtype, g.shape, to)
         free = self._element_buffers
         try:
@@ -386,16 +391,18 @@ class CupyHook:
         except IndexError:
             host = self._element_buffer()
         try:
-            self._copy_element(host.ptr, ptr, itemsize, data.device_id)
+            self._copy_element(host.ptr, ptr, itemsize, data.device_id, base)
             return _converted(host, dtype, g.shape, to)  # before the buffer is reused
         finally:
             free.append(host)  # list.pop/append: each thread that reads at once has its own
 
-    def _copy_element(self, host: int, ptr: int, itemsize: int, device: int) -> None:
-        """Copy ``itemsize`` bytes at ``ptr`` on ``device`` into ``host``
-        once all the GPU work queued before has finished.
+    def _copy_element(self, host: int, ptr: int, itemsize: int, device: int, block: int) -> None:
+        """Copy ``itemsize`` bytes at ``ptr`` (in ump's block at ``block``)
+        on ``device`` into ``host`` once all the GPU work queued before has
+        finished.
 
         With one GPU and no stream the legacy default stream does not follow
+        that may have work on the block
         (:class:`~ump._cupy_compat.SideStreams`), the copy is queued on that
         stream first, behind every kernel queued before, and the device-wide
         wait then covers it: one round trip to the GPU, as stock CuPy's own
@@ -403,7 +410,7 @@ class CupyHook:
         Into pageable ``host`` (a wide element) the queued copy returns only
         once it is done, so the wait is weighed from before the copy."""
         runtime, streams = self.cupy.cuda.runtime, self.side_streams
-        if self.release.one_gpu() and not streams.unordered_work_possible():
+        if self.release.one_gpu() and not streams.unordered_work_possible(block):
             # synchronize() refuses before it queues the copy: on the legacy
             # stream while the current stream captures, the copy would break
             # the capture. A capture on a blocking stream the thread is not
@@ -436,13 +443,39 @@ class CupyHook:
             view = self.host_view(g, sync=blocking, stream=stream, share_results=share_results)
             if view is not None:
                 return view
+        original = self.patches.original["get"]
+        if blocking and self._copy_follows_every_stream(g, stream):
+            start = time.perf_counter()
+            with OwnWaits():
+                copy = original(g, stream=stream, order=order, out=out, blocking=True)
+            self._weigh(start, g.data.device_id)  # the copy's wait, as the wait before it would be
+            return copy
         if blocking:
             # CuPy copies on `stream` (or the current one) only: a kernel
             # another stream queued on the array must finish first.
             self.synchronize(stream, g.data.device_id)
         with OwnWaits():  # CuPy's copy waits for the stream it queued on
-            return self.patches.original["get"](g, stream=stream, order=order, out=out,
-                                                blocking=blocking)
+            return original(g, stream=stream, order=order, out=out, blocking=blocking)
+
+    def _copy_follows_every_stream(self, g, stream) -> bool:
+        """Whether CuPy's own copy of ``g`` is queued behind every kernel
+        that may write it, so that ump need not wait for the device first:
+        the copy goes on CuPy's null stream (the legacy default stream,
+        which follows every blocking stream), the process sees one GPU, and
+        no stream that stream does not follow may have work on ``g``'s
+        memory, which is ump's. Then a copy is one round trip to the GPU, as
+        with stock CuPy, not two: where several processes share the GPU each
+        round trip waits its turn (docs/performance.md, run 27). Memory not
+        ump's (another library's, imported) is waited for first, as are
+        reads while a graph is captured, which the wait refuses."""
+        if (stream if stream is not None else self.cupy.cuda.get_current_stream()).ptr != 0:
+            return False
+        kind, base, _, _ = _core.lookup_ids(g.data.ptr)
+        if (kind not in _UMP_KIND_IDS or not self.release.one_gpu()
+                or self.side_streams.unordered_work_possible(base)):
+            return False
+        self._refuse_while_capturing(stream)
+        return True
 
     def host_array(self, g, dtype=None, copy=None):
         """``numpy.asarray(g)`` under ump: shared where the memory is
@@ -487,7 +520,7 @@ class CupyHook:
         managed_asked = dl_device is not None and dl_device[0] == KDL_CUDA_MANAGED
         if managed_asked:
             dl_device = None
-        self.wait_before_gpu_export(g.data.device_id, stream)
+        self.wait_before_gpu_export(g, stream)
         capsule = original(g, stream=stream, dl_device=dl_device, copy=copy, **kwargs)
         return capsule if managed_asked else self.cuda_capsule(g, capsule)
 

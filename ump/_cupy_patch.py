@@ -149,7 +149,7 @@ class CupyPatches:
             # A wait for the whole device, whatever ump.enable(sync=...)
             # says: the stream CuPy names is only the current one, and the
             # array may have been written on any.
-            waited = hook.wait_before_gpu_export(self.data.device_id)
+            waited = hook.wait_before_gpu_export(self)
             desc = cai.__get__(self)
             # The device is done with the array, so no stream is named for
             # the consumer to wait on. A stream named would also become
@@ -171,7 +171,7 @@ class CupyPatches:
             return hook.dlpack_device(self)
 
         def to_dlpack(self):
-            hook.wait_before_gpu_export(self.data.device_id)
+            hook.wait_before_gpu_export(self)
             return hook.cuda_capsule(self, original["toDlpack"](self))
 
         for fn, like in ((get, original["get"]), (dlpack, original["__dlpack__"]),
