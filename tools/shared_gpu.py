@@ -87,15 +87,18 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--configs", default="stock,managed-pool,auto,device")
     parser.add_argument("--modules", type=int, default=8, help="modules to list, slowest first")
+    parser.add_argument("--keep", help="a folder to keep each run's JUnit report in (CONFIG-ROUND.xml)")
     parser.add_argument("pytest_args", nargs="*", help="after --: what pytest runs")
     opts = parser.parse_args(argv)
     configs = opts.configs.split(",")
     runs = collections.defaultdict(list)  # config -> [(wall, results)]
+    if opts.keep:
+        os.makedirs(opts.keep, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(opts.rounds):
             order = configs[r % len(configs):] + configs[:r % len(configs)]
             for config in order:
-                junit = os.path.join(tmp, f"{config}-{r}.xml")
+                junit = os.path.join(opts.keep or tmp, f"{config}-{r}.xml")
                 cmd, env = command(config, opts.n, opts.pytest_args, junit)
                 start = time.perf_counter()
                 proc = subprocess.run(cmd, cwd=opts.cwd, env=env, capture_output=True, text=True)
