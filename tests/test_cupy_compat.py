@@ -455,23 +455,28 @@ def test_side_streams_say_whether_the_legacy_stream_follows_every_streams_work(m
     assert blocking and defaults
 
 
-def test_side_streams_keep_the_blocks_handed_to_other_libraries_apart(monkeypatch):
-    """An export to another GPU library makes the answer yes for the block
-    of ump's memory handed over, for good, and for every block once more
-    than ``MAX_EXPORTED`` were; memory not ump's changes nothing (its reads
-    wait first anyway)."""
+def _side_streams():
+    """A SideStreams over stand-in stream classes, past its first question."""
     import types
 
     from ump._cupy_compat import SideStreams
 
-    BaseStream, Stream = _stream_classes()
-    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        Stream=Stream, runtime=types.SimpleNamespace(streamLegacy=1, streamPerThread=2)))
-    sides = SideStreams(cupy)
-    sides.unordered_work_possible()
+    _, Stream = _stream_classes()
+    sides = SideStreams(types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Stream=Stream, runtime=types.SimpleNamespace(streamLegacy=1, streamPerThread=2))))
+    assert sides.unordered_work_possible() is True  # the first question: wait for the unwatched
     assert sides.unordered_work_possible() is False
-    sides.exported(None)  # memory not ump's: its reads wait first anyway
-    assert sides.unordered_work_possible() is False
+    return sides
+
+
+def test_side_streams_keep_the_blocks_handed_to_other_libraries_apart(monkeypatch):
+    """An export of an arena's block to another GPU library makes the answer
+    yes for that block, for good, and for every block once more than
+    ``MAX_EXPORTED`` were; an export of other memory of ump's (VMM pool
+    memory, which aliases map twice) makes it yes for every block."""
+    from ump._cupy_compat import SideStreams
+
+    sides = _side_streams()
     sides.exported(0x1000)  # another GPU library took ump's block there: its streams are unseen
     assert sides.unordered_work_possible(0x1000) is True
     assert sides.unordered_work_possible(0x2000) is False  # other blocks' reads stay one round trip
@@ -485,55 +490,60 @@ def test_side_streams_keep_the_blocks_handed_to_other_libraries_apart(monkeypatc
         assert sides.unordered_work_possible(0x4000) is False  # three blocks kept apart
     sides.exported(0x4000)  # past MAX_EXPORTED: every read waits first
     assert sides.unordered_work_possible(0x5000) is True and sides.seen is True
+    sides = _side_streams()
+    sides.exported()  # VMM pool memory
+    assert sides.unordered_work_possible(0x5000) is True and sides.seen is True
 
 
 def test_a_copy_on_the_null_stream_is_not_waited_for_first(monkeypatch):
-    """``get()`` of an array the host cannot share is CuPy's own copy. On
-    CuPy's null stream (the legacy default stream, behind every blocking
-    stream's work), with one GPU and no stream that stream does not follow
-    that may have work on the array's block of ump's memory, that copy is
+    """``get()`` of an array the host cannot share is CuPy's own copy. A
+    small one on CuPy's null stream (the legacy default stream, behind
+    every blocking stream's work), with one GPU and no stream that stream
+    does not follow that may have work on the array's memory of ump's, is
     the only wait: one round trip to the GPU, as with stock CuPy, weighed
     by the placement as the wait was. Otherwise ump waits for the device
-    first: a non-blocking stream, a block handed to another GPU library,
-    another stream named or current, several GPUs, memory not ump's.
-    Stand-ins for CuPy and the registry; the GPU tests are
-    test_gpu_interop.py's."""
+    first: another stream named or current, several GPUs, memory not ump's,
+    an array of ``prefetch_min`` or more, a block handed to another GPU
+    library (an arena's: that block; VMM pool memory: every block), a
+    non-blocking stream. Stand-ins for CuPy and the registry; the GPU tests
+    are test_gpu_interop.py's."""
     import types
 
     from ump import _cupy_hook
-    from ump._cupy_compat import SideStreams
 
-    ump_block, foreign = 0x10000, 0x90000
-    monkeypatch.setattr(_cupy_hook._core, "lookup_ids", lambda ptr: (
-        (_cupy_hook._core.KIND_MANAGED, ump_block, 1 << 20, 1) if ptr < foreign else (0, 0, 0, -1)))
+    managed, device, mib = _core.KIND_MANAGED, _core.KIND_IDS["device"], 1 << 20
+    blocks = {0x10000: managed, 0x20000: managed, 0x30000: device, 0x40000: 0}  # 0: not ump's
+    monkeypatch.setattr(_cupy_hook._core, "lookup_ids", lambda ptr: (blocks[ptr & ~0xffff], ptr & ~0xffff, mib, 1))
     current = types.SimpleNamespace(ptr=0)
-    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        get_current_stream=lambda: current,
-        runtime=types.SimpleNamespace(streamIsCapturing=lambda stream: False)))
     hook = _cupy_hook.CupyHook.__new__(_cupy_hook.CupyHook)
-    hook.cupy = cupy
-    sides = hook.side_streams = SideStreams.__new__(SideStreams)
-    sides.seen, sides.exported_blocks, sides._lock = False, set(), threading.RLock()
+    hook.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: current, runtime=types.SimpleNamespace(streamIsCapturing=lambda s: False)))
+    sides = hook.side_streams = _side_streams()
     gpus = [1]
     hook.release = types.SimpleNamespace(one_gpu=lambda: gpus[0] == 1)
+    hook.placement = types.SimpleNamespace(min_bytes=2 * mib)
     calls = []
     hook.synchronize = lambda stream=None, device=None: calls.append("wait first")
+    hook._wait = lambda stream, device: calls.append("export's wait")
     hook._weigh = lambda start, device: calls.append("copy weighed")
     hook.patches = types.SimpleNamespace(original={"get": lambda g, **kw: calls.append("copy") or "host copy"})
     hook.host_view = lambda *a, **kw: None  # nothing the host can share
 
-    def get(ptr=ump_block + 64, **kwargs):
+    def array(ptr, nbytes=8 << 10):
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr + 64, device_id=0), nbytes=nbytes,
+                                     flags=types.SimpleNamespace(c_contiguous=True, f_contiguous=False))
+
+    def get(ptr=0x10000, nbytes=8 << 10, **kwargs):
         calls.clear()
-        g = types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr, device_id=0),
-                                  flags=types.SimpleNamespace(c_contiguous=True, f_contiguous=False))
-        assert hook.get(g, **kwargs) == "host copy"
+        assert hook.get(array(ptr, nbytes), **kwargs) == "host copy"
         return calls[:]
 
     one_trip, two = ["copy", "copy weighed"], ["wait first", "copy"]
-    assert get() == one_trip
+    assert get() == one_trip and get(0x30000) == one_trip
     assert get(stream=types.SimpleNamespace(ptr=0)) == one_trip  # the null stream named
     assert get(stream=types.SimpleNamespace(ptr=0xbeef)) == two  # a stream of its own
-    assert get(ptr=foreign) == two  # memory not ump's: another library's streams may write it
+    assert get(0x40000) == two  # memory not ump's: another library's streams may write it
+    assert get(nbytes=2 * mib) == two  # a large copy's time is not the kernels'
     current.ptr = 2  # the per-thread default stream: it follows the legacy one only
     assert get() == two
     current.ptr = 0
@@ -541,13 +551,13 @@ def test_a_copy_on_the_null_stream_is_not_waited_for_first(monkeypatch):
     assert get() == two
     gpus[0] = 1
     assert get(blocking=False) == ["copy"]  # nothing is waited for
-    sides.exported(ump_block + (4 << 20))  # another block handed to PyTorch
-    assert get() == one_trip
-    sides.exported(ump_block)  # this one
-    assert get() == two
-    sides.exported_blocks.clear()
-    sides.seen = True  # a non-blocking stream was made
-    assert get() == two
+    hook.wait_before_gpu_export(array(0x40000))  # memory not ump's handed to PyTorch
+    hook.wait_before_gpu_export(array(0x20000))  # another block of an arena
+    assert get() == one_trip and get(0x30000) == one_trip
+    hook.wait_before_gpu_export(array(0x10000))  # this one
+    assert get() == two and get(0x30000) == one_trip
+    hook.wait_before_gpu_export(array(0x30000))  # VMM pool memory: aliases map it twice
+    assert get(0x30000) == two and sides.seen is True
 
 
 def test_get_copies_the_small_results_cupy_made_in_managed_memory(monkeypatch):

@@ -319,12 +319,15 @@ def test_a_block_handed_to_another_library_is_waited_for_first_and_no_other(gpu_
     """Once an array was handed to another GPU library, reads of its block
     wait for the device before they copy: the library may write it on a
     stream of its own (here a real non-blocking stream ump was not told
-    of, standing for PyTorch's). Reads of every other block stay one round
-    trip, as with stock CuPy: a scalar's copy queued on the legacy stream
-    before the wait, and ``get()``'s copy (CuPy's own, on its null stream)
-    with no wait before it. Each read sees the value the last kernel
+    of, standing for PyTorch's). Reads of every other block of an arena
+    stay one round trip, as with stock CuPy: a scalar's copy queued on the
+    legacy stream before the wait, and ``get()``'s small copy (CuPy's own,
+    on its null stream, behind a blocking stream's kernel) with no wait
+    before it; under ``device`` (VMM pool memory, which aliases map twice)
+    every read waits first. Each read sees the value the last kernel
     wrote."""
     name, cupy = gpu_backend
+    per_block = name != "device"
     hook = ump._enable.current().cupy
     sides, runtime = hook.side_streams, cupy.cuda.runtime
     monkeypatch.setattr(sides, "seen", False)  # the streams of earlier tests are gone
@@ -332,6 +335,7 @@ def test_a_block_handed_to_another_library_is_waited_for_first_and_no_other(gpu_
     with monkeypatch.context() as m:
         m.setattr(sides, "note", lambda stream: None)
         unseen = cupy.cuda.Stream(non_blocking=True)
+    blocking = cupy.cuda.Stream()
     hook.pool.free_all_blocks()  # no cached block for CuPy's pool to split for both arrays
     handed, kept = cupy.zeros(N, dtype=cupy.float64), cupy.zeros(N, dtype=cupy.float64)
     assert handed.__cuda_array_interface__["data"][0] == handed.data.ptr  # Numba, say, takes it
@@ -339,8 +343,8 @@ def test_a_block_handed_to_another_library_is_waited_for_first_and_no_other(gpu_
     if handed_block == kept_block:
         pytest.skip("CuPy's pool put both arrays in one block of ump's")
     assert sides.unordered_work_possible(handed_block) is True
-    assert sides.unordered_work_possible(kept_block) is False
-    waits, queued = [], []
+    assert sides.unordered_work_possible(kept_block) is not per_block
+    waits, queued, out = [], [], np.empty(4)
     wait_for, copy_async = hook.release.wait_for, runtime.memcpyAsync
     monkeypatch.setattr(hook.release, "wait_for", lambda *a: waits.append("wait") or wait_for(*a))
     monkeypatch.setattr(runtime, "memcpyAsync", lambda *a: queued.append(a[-1]) or copy_async(*a))
@@ -349,14 +353,20 @@ def test_a_block_handed_to_another_library_is_waited_for_first_and_no_other(gpu_
         assert float(handed[-1]) == value, f"{value}: read before the other library's kernel finished"
         _race(cupy, handed, unseen, value + 10)
         assert cupy.asnumpy(handed[-4:])[-1] == value + 10, f"{value}: a copy overtook the kernel"
-        _race(cupy, kept, cupy.cuda.Stream.null, value + 20)
+        _race(cupy, kept, blocking, value + 20)
         assert cupy.asnumpy(kept[-4:])[-1] == value + 20, f"{value}: a copy overtook the kernel"
-    if not hook.release.one_gpu() or name not in ("managed", "device"):
-        return  # several GPUs: every read waits first; pinned memory is read in place, after the wait
+        _race(cupy, kept, blocking, value + 30)
+        kept[-4:].get(out=out)
+        assert out[-1] == value + 30, f"{value}: a copy into out overtook the kernel"
+        _race(cupy, kept, blocking, value + 40)
+        assert kept[::2].get()[-1] == value + 40, f"{value}: a strided copy overtook the kernel"
+    if not hook.release.one_gpu():
+        return  # several GPUs: every read waits for them first
     waits.clear()
-    cupy.asnumpy(kept[:4])
-    assert waits == [], "get() of a block no other library has waited for the device first"
-    cupy.asnumpy(handed[:4])
+    kept[-4:].get(out=out)
+    assert waits == ([] if per_block else ["wait"]), "get() of a block nobody else took: the wait first"
+    waits.clear()
+    handed[-4:].get(out=out)
     assert waits == ["wait"], "get() of the handed block did not wait for the device first"
     if name == "managed":  # scalars are read by ump in managed memory only
         queued.clear()

@@ -290,8 +290,8 @@ class SideStreams(OnePerCupy):
     wraps (``Stream.from_external``, ``ExternalStream``) unless it reads as
     blocking, and the streams of any GPU library an array was exported to
     (``__cuda_array_interface__``, ``__dlpack__``, ``toDlpack``), which ump
-    cannot see. Once one is seen the answer stays yes for the process: work
-    on a stream outlives the stream.
+    cannot see. Once a CuPy stream is seen the answer stays yes for the
+    process: work on a stream outlives the stream. Exports: below.
 
     CuPy's streams made while ump is enabled are noted as they are made
     (``CupyPatches.note_streams``). At the first question after each
@@ -300,15 +300,20 @@ class SideStreams(OnePerCupy):
     watching (on a stream since dropped, too); the streams alive then are
     looked at for the questions after it.
 
-    An export is noted by the block of ump's memory it hands over: only that
-    memory can the other library's streams write unseen, so only reads of
-    it wait first. A program that hands one array to PyTorch or Numba then
-    keeps its other reads at one round trip each, which counts where
-    several processes share the GPU and every round trip waits its turn
-    (PyLops's tests in four processes: docs/performance.md, run 27). A
-    block stays noted after its arrays are gone: the other library may
-    still have work queued on it, and CuPy's pool hands the memory out
-    again. Past ``MAX_EXPORTED`` blocks the answer is yes for every read."""
+    An export of an arena's block (managed, pinned or system memory, which
+    ump maps at one address only) is noted by that block: only its memory
+    can the other library's streams write unseen, so only reads of it wait
+    first. A program that hands one array to PyTorch or Numba then keeps
+    its other reads at one round trip each, which counts where several
+    processes share the GPU and every round trip waits its turn (PyLops's
+    tests in four processes: docs/performance.md, run 27). A block stays
+    noted for good: the other library may still have work queued on it
+    after its arrays are gone, and CuPy's pool hands the memory out again
+    (an arena's block keeps its base, and goes back to the arena only after
+    a wait for the device). An export of VMM pool memory, which an alias or
+    an import maps at a second address and whose blocks the pool reuses at
+    other bases, makes the answer yes for the process, as does an export
+    past ``MAX_EXPORTED`` blocks."""
 
     #: Blocks whose exports are kept apart; past them every read waits first.
     MAX_EXPORTED = 4096
@@ -354,15 +359,13 @@ class SideStreams(OnePerCupy):
             self._mark_unordered()
 
     def exported(self, block: int | None = None) -> None:
-        """An array was handed to another GPU library, which may write it on
-        its own streams: an array of ump's block at ``block``, or of memory
-        not ump's (None), whose reads wait first anyway (:meth:`CupyHook.get`)."""
-        if block is None or self.seen is True:
-            return
+        """An array of ump's memory was handed to another GPU library, which
+        may write it on its own streams: of an arena's block at ``block``,
+        else (None) of memory whose reads must all wait first from now on."""
         exported = self.exported_blocks
-        if block in exported:
+        if self.seen is True or block in exported:
             return
-        if len(exported) >= self.MAX_EXPORTED:
+        if block is None or len(exported) >= self.MAX_EXPORTED:
             self._mark_unordered()
         else:
             exported.add(block)  # set.add holds the GIL: no lock

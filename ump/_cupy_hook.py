@@ -16,12 +16,15 @@ default) or for the stream the caller names (``sync="stream"``):
   ``numpy.asarray``/``numpy.array``), ``__buffer__`` (``memoryview``,
   Python >= 3.12), and ``__dlpack__`` asked for the CPU
   (``numpy.from_dlpack``) share host-visible memory after the wait, and copy
-  device memory after it.
+  device memory after it; a small copy ``get`` makes on CuPy's null stream
+  is itself the wait where that stream follows every stream that can have
+  work on the array (``SideStreams``).
 - CuPy -> a Python scalar: ``bool()``, ``int()``, ``float()``,
   ``complex()`` and ``item()`` of a one-element array in managed memory
   copy the element, behind all the work queued before it: queued on the
   legacy default stream before the wait where that stream follows every
-  stream that can have work (``SideStreams``), else after the wait.
+  stream that can have work on the array (``SideStreams``), else after the
+  wait.
   Nothing can alias a Python scalar, and a host read in place would fault
   the element's page over to the host, and the next kernel writing near it
   would fault the page back: a solver's residual check each step
@@ -56,8 +59,9 @@ __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
 
 #: Kinds whose blocks a kernel can use at their host address.
 GPU_KINDS = frozenset({"system", "managed", "pinned"})
-#: The kind ids ``_core.lookup_ids`` gives ump's memory (any backend's).
-_UMP_KIND_IDS = frozenset(_core.KIND_IDS.values())
+#: Their ids, as ``_core.lookup_ids`` gives them: the arenas' memory, which
+#: ump maps at one address only.
+_ARENA_KIND_IDS = frozenset(_core.KIND_IDS[kind] for kind in GPU_KINDS)
 
 #: Pinned buffers of hooks uninstalled in a forked child, which must not free them.
 _KEPT_IN_CHILD: list = []
@@ -223,8 +227,9 @@ class CupyHook:
         and stream order alone must do: CuPy's own export orders the
         consumer's stream after its current one, or names it."""
         kind, base, _, _ = _core.lookup_ids(g.data.ptr)
-        # the consumer may write the block on a stream of its own
-        self.side_streams.exported(base if kind in _UMP_KIND_IDS else None)
+        if kind in _core.KINDS:  # memory not ump's: its reads wait first anyway (get)
+            # the consumer may write it on a stream of its own
+            self.side_streams.exported(base if kind in _ARENA_KIND_IDS else None)
         device = g.data.device_id
         if capturing(self.cupy) or (isinstance(consumer_stream, int) and consumer_stream > 0
                                     and capturing(self.cupy, consumer_stream)):
@@ -438,7 +443,14 @@ class CupyHook:
         writing there (CuPy's pool hands the memory out again; a slab's
         blocks share pages) would fault them back: a solver that reads an
         800 KB result each step took 1.2 ms a step so, 0.34 ms with the
-        copy and 0.44 ms under stock CuPy (docs/backends.md)."""
+        copy and 0.44 ms under stock CuPy (docs/backends.md).
+
+        A copy is made after a wait for the device, except a small one on
+        CuPy's null stream that follows every stream ump knows may write
+        the array (:meth:`_copy_follows_every_stream`): work ump cannot see
+        (a raw non-blocking stream handle, a C extension given the pointer)
+        is then not waited for, as stock CuPy's copy does not wait for it
+        (docs/guide.md, "Coherence")."""
         if out is None and _layout_ok(g, order):
             view = self.host_view(g, sync=blocking, stream=stream, share_results=share_results)
             if view is not None:
@@ -463,19 +475,19 @@ class CupyHook:
         the copy goes on CuPy's null stream (the legacy default stream,
         which follows every blocking stream), the process sees one GPU, and
         no stream that stream does not follow may have work on ``g``'s
-        memory, which is ump's. Then a copy is one round trip to the GPU, as
-        with stock CuPy, not two: where several processes share the GPU each
-        round trip waits its turn (docs/performance.md, run 27). Memory not
-        ump's (another library's, imported) is waited for first, as are
-        reads while a graph is captured, which the wait refuses."""
-        if (stream if stream is not None else self.cupy.cuda.get_current_stream()).ptr != 0:
+        memory, which is ump's. Then a small copy is one round trip to the
+        GPU, as with stock CuPy, not two: where several processes share the
+        GPU each round trip waits its turn (docs/performance.md, run 27).
+        Memory not ump's (another library's, imported) is waited for first,
+        and so is an array of ``prefetch_min`` or more, whose copy's own
+        time the placement must not weigh as the kernels'. A capturing
+        stream is not the null stream: its wait refuses the read."""
+        if (g.nbytes >= self.placement.min_bytes
+                or (stream if stream is not None else self.cupy.cuda.get_current_stream()).ptr != 0):
             return False
         kind, base, _, _ = _core.lookup_ids(g.data.ptr)
-        if (kind not in _UMP_KIND_IDS or not self.release.one_gpu()
-                or self.side_streams.unordered_work_possible(base)):
-            return False
-        self._refuse_while_capturing(stream)
-        return True
+        return (kind in _core.KINDS and self.release.one_gpu()
+                and not self.side_streams.unordered_work_possible(base))
 
     def host_array(self, g, dtype=None, copy=None):
         """``numpy.asarray(g)`` under ump: shared where the memory is
