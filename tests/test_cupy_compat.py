@@ -503,17 +503,20 @@ def test_a_copy_on_the_null_stream_is_not_waited_for_first(monkeypatch):
     the only wait: one round trip to the GPU, as with stock CuPy, weighed
     by the placement as the wait was. Otherwise ump waits for the device
     first: another stream named or current, several GPUs, memory not ump's,
-    an array of ``prefetch_min`` or more, a block handed to another GPU
-    library (an arena's: that block; VMM pool memory: every block), a
-    non-blocking stream. Stand-ins for CuPy and the registry; the GPU tests
+    managed memory of ``prefetch_min`` or more (the placement weighs the
+    wait), a block handed to another GPU library (an arena's: that block;
+    VMM pool memory: every block), a non-blocking stream. Stand-ins for CuPy and the registry; the GPU tests
     are test_gpu_interop.py's."""
     import types
 
     from ump import _cupy_hook
 
-    managed, device, mib = _core.KIND_MANAGED, _core.KIND_IDS["device"], 1 << 20
-    blocks = {0x10000: managed, 0x20000: managed, 0x30000: device, 0x40000: 0}  # 0: not ump's
-    monkeypatch.setattr(_cupy_hook._core, "lookup_ids", lambda ptr: (blocks[ptr & ~0xffff], ptr & ~0xffff, mib, 1))
+    managed, pinned, device, mib = _core.KIND_MANAGED, _core.KIND_IDS["pinned"], _core.KIND_IDS["device"], 1 << 20
+    vmm = _core.MAX_ARENAS  # the owner of a VMM pool's memory
+    blocks = {0x10000: (managed, 1), 0x20000: (managed, 1), 0x30000: (device, vmm), 0x40000: (0, -1),
+              0x50000: (managed, 1), 0x60000: (pinned, 2)}  # kind 0: not ump's
+    monkeypatch.setattr(_cupy_hook._core, "lookup_ids", lambda ptr: (
+        blocks[ptr & ~0xffff][0], ptr & ~0xffff, mib, blocks[ptr & ~0xffff][1]))
     current = types.SimpleNamespace(ptr=0)
     hook = _cupy_hook.CupyHook.__new__(_cupy_hook.CupyHook)
     hook.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
@@ -544,8 +547,10 @@ def test_a_copy_on_the_null_stream_is_not_waited_for_first(monkeypatch):
     assert get(stream=types.SimpleNamespace(ptr=0xbeef)) == two  # a stream of its own
     assert get(0x40000) == two  # memory not ump's: another library's streams may write it
     assert get(nbytes=2 * mib) == two  # a large copy's time is not the kernels'
+    assert get(0x60000, nbytes=2 * mib) == one_trip  # but the placement weighs managed memory only
     current.ptr = 2  # the per-thread default stream: it follows the legacy one only
     assert get() == two
+    assert get(stream=types.SimpleNamespace(ptr=0)) == two  # the current stream might capture
     current.ptr = 0
     gpus[0] = 2  # another GPU may write it through peer access
     assert get() == two
@@ -556,8 +561,9 @@ def test_a_copy_on_the_null_stream_is_not_waited_for_first(monkeypatch):
     assert get() == one_trip and get(0x30000) == one_trip
     hook.wait_before_gpu_export(array(0x10000))  # this one
     assert get() == two and get(0x30000) == one_trip
+    assert get(0x50000) == one_trip
     hook.wait_before_gpu_export(array(0x30000))  # VMM pool memory: aliases map it twice
-    assert get(0x30000) == two and sides.seen is True
+    assert get(0x30000) == two and get(0x50000) == two and sides.seen is True
 
 
 def test_get_copies_the_small_results_cupy_made_in_managed_memory(monkeypatch):

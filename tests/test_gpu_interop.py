@@ -249,6 +249,7 @@ def test_a_scalar_read_queues_its_copy_behind_every_blocking_streams_kernel(gpu_
     name, cupy = gpu_backend
     hook = ump._enable.current().cupy
     monkeypatch.setattr(hook.side_streams, "seen", False)  # the streams of earlier tests are gone
+    monkeypatch.setattr(hook.side_streams, "exported_blocks", set())  # and their exports
     runtime = cupy.cuda.runtime
     queued = []
     copy_async = runtime.memcpyAsync
@@ -286,6 +287,7 @@ def test_a_scalar_read_waits_first_once_a_stream_the_legacy_one_does_not_follow_
     runtime = cupy.cuda.runtime
     sides = ump._enable.current().cupy.side_streams
     monkeypatch.setattr(sides, "seen", False)
+    monkeypatch.setattr(sides, "exported_blocks", set())
     ump.disable()
     early = cupy.cuda.Stream(non_blocking=True)
     ump.enable(name, cap=4 << 30)

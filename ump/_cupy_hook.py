@@ -59,9 +59,6 @@ __all__ = ["CupyHook", "GPU_KINDS", "advice_code"]
 
 #: Kinds whose blocks a kernel can use at their host address.
 GPU_KINDS = frozenset({"system", "managed", "pinned"})
-#: Their ids, as ``_core.lookup_ids`` gives them: the arenas' memory, which
-#: ump maps at one address only.
-_ARENA_KIND_IDS = frozenset(_core.KIND_IDS[kind] for kind in GPU_KINDS)
 
 #: Pinned buffers of hooks uninstalled in a forked child, which must not free them.
 _KEPT_IN_CHILD: list = []
@@ -226,10 +223,11 @@ class CupyHook:
         DLPack passes it) captures a graph (False). Then nothing has run,
         and stream order alone must do: CuPy's own export orders the
         consumer's stream after its current one, or names it."""
-        kind, base, _, _ = _core.lookup_ids(g.data.ptr)
+        kind, base, _, owner = _core.lookup_ids(g.data.ptr)
         if kind in _core.KINDS:  # memory not ump's: its reads wait first anyway (get)
-            # the consumer may write it on a stream of its own
-            self.side_streams.exported(base if kind in _ARENA_KIND_IDS else None)
+            # The consumer may write it on a stream of its own. An arena
+            # maps its memory at one address; a VMM pool's may be mapped twice.
+            self.side_streams.exported(base if owner < _core.MAX_ARENAS else None)
         device = g.data.device_id
         if capturing(self.cupy) or (isinstance(consumer_stream, int) and consumer_stream > 0
                                     and capturing(self.cupy, consumer_stream)):
@@ -475,17 +473,20 @@ class CupyHook:
         the copy goes on CuPy's null stream (the legacy default stream,
         which follows every blocking stream), the process sees one GPU, and
         no stream that stream does not follow may have work on ``g``'s
-        memory, which is ump's. Then a small copy is one round trip to the
-        GPU, as with stock CuPy, not two: where several processes share the
-        GPU each round trip waits its turn (docs/performance.md, run 27).
+        memory, which is ump's. Then a copy is one round trip to the GPU, as
+        with stock CuPy, not two: where several processes share the GPU
+        each round trip waits its turn (docs/performance.md, run 27).
         Memory not ump's (another library's, imported) is waited for first,
-        and so is an array of ``prefetch_min`` or more, whose copy's own
-        time the placement must not weigh as the kernels'. A capturing
-        stream is not the null stream: its wait refuses the read."""
-        if (g.nbytes >= self.placement.min_bytes
-                or (stream if stream is not None else self.cupy.cuda.get_current_stream()).ptr != 0):
+        and so is managed memory of ``prefetch_min`` or more, whose copy's
+        own time the placement must not weigh as the kernels'. The current
+        stream must be the null stream too, even when ``stream`` names it: a
+        current stream that captures a graph is then refused by the wait."""
+        if (self.cupy.cuda.get_current_stream().ptr != 0
+                or (stream is not None and stream.ptr != 0)):
             return False
         kind, base, _, _ = _core.lookup_ids(g.data.ptr)
+        if kind == _core.KIND_MANAGED and g.nbytes >= self.placement.min_bytes:
+            return False
         return (kind in _core.KINDS and self.release.one_gpu()
                 and not self.side_streams.unordered_work_possible(base))
 
