@@ -16,9 +16,10 @@ default) or for the stream the caller names (``sync="stream"``):
   ``numpy.asarray``/``numpy.array``), ``__buffer__`` (``memoryview``,
   Python >= 3.12), and ``__dlpack__`` asked for the CPU
   (``numpy.from_dlpack``) share host-visible memory after the wait, and copy
-  device memory after it; a small copy ``get`` makes on CuPy's null stream
-  is itself the wait where that stream follows every stream that can have
-  work on the array (``SideStreams``).
+  device memory after it; a copy ``get`` makes with CuPy's null stream
+  current is itself the wait where that stream follows every stream that
+  can have work on the array (``SideStreams``; managed memory: copies under
+  ``prefetch_min`` only).
 - CuPy -> a Python scalar: ``bool()``, ``int()``, ``float()``,
   ``complex()`` and ``item()`` of a one-element array in managed memory
   copy the element, behind all the work queued before it: queued on the
@@ -413,7 +414,7 @@ class CupyHook:
         Into pageable ``host`` (a wide element) the queued copy returns only
         once it is done, so the wait is weighed from before the copy."""
         runtime, streams = self.cupy.cuda.runtime, self.side_streams
-        if self.release.one_gpu() and not streams.unordered_work_possible(block):
+        if self._legacy_stream_follows_writers(block):
             # synchronize() refuses before it queues the copy: on the legacy
             # stream while the current stream captures, the copy would break
             # the capture. A capture on a blocking stream the thread is not
@@ -443,9 +444,9 @@ class CupyHook:
         800 KB result each step took 1.2 ms a step so, 0.34 ms with the
         copy and 0.44 ms under stock CuPy (docs/backends.md).
 
-        A copy is made after a wait for the device, except a small one on
-        CuPy's null stream that follows every stream ump knows may write
-        the array (:meth:`_copy_follows_every_stream`): work ump cannot see
+        A copy is made after a wait for the device, except one on CuPy's
+        null stream that follows every stream ump knows may write the array
+        (:meth:`_copy_follows_every_stream`): work ump cannot see
         (a raw non-blocking stream handle, a C extension given the pointer)
         is then not waited for, as stock CuPy's copy does not wait for it
         (docs/guide.md, "Coherence")."""
@@ -487,8 +488,16 @@ class CupyHook:
         kind, base, _, _ = _core.lookup_ids(g.data.ptr)
         if kind == _core.KIND_MANAGED and g.nbytes >= self.placement.min_bytes:
             return False
-        return (kind in _core.KINDS and self.release.one_gpu()
-                and not self.side_streams.unordered_work_possible(base))
+        return kind in _core.KINDS and self._legacy_stream_follows_writers(base)
+
+    def _legacy_stream_follows_writers(self, block: int) -> bool:
+        """Whether the legacy default stream follows every stream that may
+        have work on ump's block at ``block``: the process sees one GPU (on
+        several, another GPU's kernel may write it through peer access) and
+        no stream that stream does not follow may have work on the block
+        (:class:`~ump._cupy_compat.SideStreams`). A copy queued on it then
+        reads what every kernel queued before it wrote."""
+        return self.release.one_gpu() and not self.side_streams.unordered_work_possible(block)
 
     def host_array(self, g, dtype=None, copy=None):
         """``numpy.asarray(g)`` under ump: shared where the memory is
