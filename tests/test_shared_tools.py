@@ -1,12 +1,14 @@
 """tools/shared_gpu.py and tools/shared_step.py on the CPU: which process
 each configuration starts (stock never imports ump; managed-pool is stock
-with CuPy's pool over managed memory; a backend goes through ump), and the
-table shared_step.py prints from its processes' timings."""
+with CuPy's pool over managed memory; a backend goes through ump), how
+shared_step.py starts its processes together and gathers their timings, and
+the table it prints."""
 
 from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
@@ -50,15 +52,68 @@ def test_a_backend_runs_through_ump_and_auto_names_none(commands):
     device, _ = commands("device")
     assert _through_ump(auto) and _through_ump(device)
     assert "UMP_TOOL_MANAGED_POOL" not in env
-    assert not any("device" in arg for arg in auto)
-    assert any("device" in arg for arg in device)
+    pairs = lambda cmd: list(zip(cmd, cmd[1:]))  # noqa: E731
+    assert ("--backend", "device") in pairs(device) or "--ump=device" in device
+    assert not any(a == "--backend" or a.startswith("--ump=") for a in auto)
+
+
+def test_the_step_workers_are_not_told_ump_settings(monkeypatch):
+    monkeypatch.setenv("UMP_BACKEND", "device")
+    monkeypatch.setenv("CUPY_ENABLE_UMP", "1")
+    tool = _tool("shared_step")
+    for config in ("stock", "auto"):
+        _, env = tool.command(config, 2)
+        assert "UMP_BACKEND" not in env and "CUPY_ENABLE_UMP" not in env
+
+
+def test_the_stock_worker_never_imports_ump():
+    source = (TOOLS / "shared_step.py").read_text()
+    top_level = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+    assert not any("ump" in line for line in top_level), top_level
+
+
+WORKER = """
+import json, sys, time
+print("ready", flush=True)
+sys.stdin.readline()  # until every process is ready
+print(json.dumps([time.time(), 2.0, 3.0]))
+"""
+
+
+def test_the_step_processes_time_together_and_their_trials_are_pooled(monkeypatch):
+    tool = _tool("shared_step")
+    monkeypatch.setattr(tool, "command", lambda config, reads: ([sys.executable, "-c", WORKER], {}))
+    times = tool.run("stock", 3, 3)
+    assert len(times) == 9 and times[1::3] == [2.0] * 3 and times[2::3] == [3.0] * 3
+    starts = times[0::3]
+    assert max(starts) - min(starts) < 1.0  # each began only once all three were ready
+
+
+@pytest.mark.parametrize("worker, why", [
+    ("import sys; sys.exit('no GPU here')", "no GPU here"),
+    ("print('ready', flush=True); input(); print('not json')", "no timings"),
+])
+def test_a_step_process_that_fails_is_named(monkeypatch, worker, why):
+    tool = _tool("shared_step")
+    monkeypatch.setattr(tool, "command", lambda config, reads: ([sys.executable, "-c", worker], {}))
+    with pytest.raises(SystemExit) as stop:
+        tool.run("auto", 2, 2)
+    assert "auto (2 reads)" in str(stop.value) and why in str(stop.value)
+
+
+def test_reads_other_than_two_or_three_are_refused(capsys):
+    tool = _tool("shared_step")
+    with pytest.raises(SystemExit):
+        tool.main(["--reads", "4"])
+    assert "2 or 3" in capsys.readouterr().err
 
 
 def test_the_step_table_gives_medians_and_ratios_to_the_first(monkeypatch, capsys):
     tool = _tool("shared_step")
-    per_step = {"stock": [1000.0, 1200.0, 1100.0], "auto": [1500.0, 1650.0, 1800.0]}
+    per_step = {"stock": [1000.0, 1100.0, 1900.0], "auto": [1500.0, 1650.0, 3000.0]}
     monkeypatch.setattr(tool, "run", lambda config, reads, processes: per_step[config])
-    assert tool.main(["--processes", "4", "--reads", "3", "--configs", "stock,auto"]) == 0
+    assert tool.main(["--processes", "4", "--reads", "3", "--configs", "stock,auto", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
-    assert "round 1, 4 processes, 3 reads, auto: 1500 1650 1800" in out
-    assert out.strip().splitlines()[-1] == "4 | 3 | 1100 | 1650 ×1.50"
+    assert "round 2, 4 processes, 3 reads, stock: 1000 1100 1900" in out
+    assert out.index("round 2, 4 processes, 3 reads, auto") < out.index("round 2, 4 processes, 3 reads, stock")
+    assert out.strip().splitlines()[-1] == "4 | 3 | 1100 | 1650 ×1.50"  # medians, not means

@@ -7,18 +7,19 @@ backends: what a test suite run with ``pytest -n 4`` does in each worker
         --configs stock,managed-pool,auto,device
 
 The step (``A`` 31 × 11): ``r = y - A @ x``, ``x += 0.01 * A.T @ r``, two
-norms, then its reads: with ``--reads 2`` the two scalars a solver tests
+norms, then its reads: with ``--reads 2`` the two scalars a solver reads
 (``bool(norm(dx) >= 0)``, ``float(cost)``), with 3 also a small result
-copied back (``r[:4].get()``). Each process runs four trials of 800 steps
-and reports µs per step of the last three (the first compiles and warms
-the pools); the table gives per configuration the median over its
-processes and over rounds, and that against stock's. Configurations:
-``stock`` (``CUPY_ENABLE_UMP`` unset, ump never imported),
-``managed-pool`` (as stock, CuPy's pool over ``cupy.cuda.malloc_managed``:
-what managed memory costs without ump), and a backend of ump (``auto``,
-``managed``, ``pinned``, ``device``: ``python -m ump run``). The processes
-of one run start together; configurations alternate round by round.
-Nothing here asserts: docs/performance.md (run 28) reads it.
+copied back (``r[:4].get()``). Each process runs a first trial of 800 steps
+(kernels compiled, pools warm), says it is ready, and once every process of
+the run is, times three more; the table gives per configuration the median
+of all its timed trials (every process, every round), in µs per step, and
+that against the first configuration named. Configurations: ``stock``
+(ump never imported), ``managed-pool`` (as stock, CuPy's pool over
+``cupy.cuda.malloc_managed``: what managed memory costs without ump), and
+ump's as the bench names them (``auto``, ``device``, ``managed:host``:
+``python -m ump run``); ``UMP_*`` and ``CUPY_ENABLE_UMP`` are not passed
+on, as in the bench's programs suite. Configurations alternate round by
+round. Nothing here asserts: docs/performance.md (run 28) reads it.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 TRIALS, STEPS = 4, 800
 MANAGED_POOL = "UMP_TOOL_MANAGED_POOL"
+READY = "ready"
 
 
-def _step_loop(reads: int) -> list[float]:
-    """µs per step of each trial, in this process."""
+def _step_loop(reads: int, ready=None) -> list[float]:
+    """µs per step of each timed trial, in this process; ``ready()`` is
+    called between the untimed first trial and the timed ones."""
     import cupy
 
     if os.environ.get(MANAGED_POOL) == "1":
@@ -46,7 +50,9 @@ def _step_loop(reads: int) -> list[float]:
     y = a @ cupy.ones(11)
     sync = cupy.cuda.runtime.deviceSynchronize
     per_step = []
-    for _ in range(TRIALS):
+    for trial in range(TRIALS):
+        if trial == 1 and ready is not None:
+            ready()
         x = cupy.zeros(11)
         sync()
         start = time.perf_counter()
@@ -54,57 +60,94 @@ def _step_loop(reads: int) -> list[float]:
             r = y - a @ x
             previous = x
             x = x + 0.01 * (a.T @ r)
-            moving = bool(cupy.linalg.norm(x - previous) >= 0)
+            bool(cupy.linalg.norm(x - previous) >= 0)
             float(0.5 * cupy.linalg.norm(r) ** 2)
             if reads > 2:
                 r[:4].get()
-            if not moving:
-                raise SystemExit("the step did not run")
         per_step.append((time.perf_counter() - start) / STEPS * 1e6)
-    return per_step
+    return per_step[1:]
+
+
+def _wait_for_the_others() -> None:
+    print(READY, flush=True)
+    sys.stdin.readline()
 
 
 def command(config: str, reads: int) -> tuple[list[str], dict]:
-    """One worker's command line and environment."""
-    env = dict(os.environ)
-    env.pop(MANAGED_POOL, None)
-    worker = [__file__, "--worker", str(reads)]
-    if config in ("stock", "managed-pool"):
-        env.pop("CUPY_ENABLE_UMP", None)
-        if config == "managed-pool":
-            env[MANAGED_POOL] = "1"
-        return [sys.executable, *worker], env
-    backend = [] if config == "auto" else ["--backend", config]
-    return [sys.executable, "-m", "ump", "run", *backend, *worker], env
+    """One worker's command line and environment (the bench's command
+    line: the worker itself must not import ump, so neither does this file
+    until a run is asked for)."""
+    from ump.bench.programs import command as program_command
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMP_") and k != "CUPY_ENABLE_UMP"}
+    if config == "managed-pool":
+        env[MANAGED_POOL] = "1"
+    target = "stock" if config == "managed-pool" else config
+    return program_command(target, os.path.abspath(__file__), ["--worker", str(reads)]), env
 
 
 def run(config: str, reads: int, processes: int) -> list[float]:
-    """The per-step µs of every process's timed trials, started together."""
+    """The per-step µs of every process's timed trials: the processes start
+    together and time their trials once every one of them is ready."""
     cmd, env = command(config, reads)
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(processes)]
-    times = []
-    for proc in procs:
-        out, err = proc.communicate()
-        if proc.returncode != 0:
-            raise SystemExit(f"{config} ({reads} reads) failed: {err.strip().splitlines()[-1:]}")
-        times.extend(json.loads(out.strip().splitlines()[-1])[1:])
-    return times
+    # stderr into files: a process that writes much there before it is
+    # ready would otherwise block on a full pipe while this one reads stdout.
+    errs = [tempfile.TemporaryFile("w+") for _ in range(processes)]
+    procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                              text=True) for err in errs]
+    try:
+        for proc, err in zip(procs, errs):
+            if proc.stdout.readline().strip() != READY:
+                _fail(config, reads, proc, err)
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        times = []
+        for proc, err in zip(procs, errs):
+            out, _ = proc.communicate()
+            if proc.returncode != 0:
+                _fail(config, reads, proc, err)
+            try:
+                times.extend(json.loads(out.strip().splitlines()[-1]))
+            except (IndexError, ValueError):
+                raise SystemExit(f"{config} ({reads} reads): no timings in its output {out[-200:]!r}") from None
+        return times
+    finally:
+        for proc, err in zip(procs, errs):  # the others, after one failed; every file closed
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+            err.close()
+
+
+def _fail(config: str, reads: int, proc, err) -> None:
+    proc.kill()
+    proc.communicate()
+    err.seek(0)
+    last = (err.read().strip().splitlines() or ["no output on stderr"])[-1]
+    raise SystemExit(f"{config} ({reads} reads) failed: {last}")
+
+
+def _reads(text: str) -> list[int]:
+    reads = [int(r) for r in text.split(",")]
+    if any(r not in (2, 3) for r in reads):
+        raise argparse.ArgumentTypeError(f"reads per step are 2 or 3, not {text}")
+    return reads
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", default="1,4", help="process counts, comma-separated")
-    parser.add_argument("--reads", default="2,3", help="reads per step (2 or 3), comma-separated")
+    parser.add_argument("--reads", type=_reads, default=[2, 3], help="reads per step (2 or 3), comma-separated")
     parser.add_argument("--configs", default="stock,managed-pool,auto,device")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", type=int, choices=(2, 3), help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.worker is not None:
-        print(json.dumps(_step_loop(opts.worker)))
+        print(json.dumps(_step_loop(opts.worker, _wait_for_the_others)))
         return 0
     configs = opts.configs.split(",")
-    cases = [(int(p), int(r)) for p in opts.processes.split(",") for r in opts.reads.split(",")]
+    cases = [(int(p), r) for p in opts.processes.split(",") for r in opts.reads]
     times = {}
     for r in range(opts.rounds):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
