@@ -6,6 +6,7 @@ the table it prints."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import pathlib
 import sys
@@ -13,6 +14,12 @@ import sys
 import pytest
 
 TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
+
+
+@pytest.fixture(autouse=True)
+def _tools_importable(monkeypatch):
+    """As when a tool runs as a script: its folder first on the path."""
+    monkeypatch.syspath_prepend(str(TOOLS))
 
 
 def _tool(name):
@@ -57,19 +64,23 @@ def test_a_backend_runs_through_ump_and_auto_names_none(commands):
     assert not any(a == "--backend" or a.startswith("--ump=") for a in auto)
 
 
-def test_the_step_workers_are_not_told_ump_settings(monkeypatch):
-    monkeypatch.setenv("UMP_BACKEND", "device")
-    monkeypatch.setenv("CUPY_ENABLE_UMP", "1")
-    tool = _tool("shared_step")
+def test_no_ump_setting_of_the_caller_reaches_a_configuration(commands, monkeypatch):
+    monkeypatch.setenv("UMP_BACKEND", "device")  # would turn auto into device
+    monkeypatch.setenv("UMP_TOOL_MANAGED_POOL", "1")  # would turn stock into managed-pool
     for config in ("stock", "auto"):
-        _, env = tool.command(config, 2)
-        assert "UMP_BACKEND" not in env and "CUPY_ENABLE_UMP" not in env
+        _, env = commands(config)
+        assert "UMP_BACKEND" not in env and "UMP_TOOL_MANAGED_POOL" not in env
 
 
-def test_the_stock_worker_never_imports_ump():
-    source = (TOOLS / "shared_step.py").read_text()
-    top_level = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
-    assert not any("ump" in line for line in top_level), top_level
+@pytest.mark.parametrize("name", ["shared_gpu", "shared_step"])
+def test_a_stock_worker_imports_nothing_of_ump(name):
+    """The step's stock workers run the file itself, and managed-pool
+    pytest runs load shared_gpu as a plugin: neither may import ump at its
+    top level."""
+    tree = ast.parse((TOOLS / f"{name}.py").read_text())
+    modules = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+    modules += [node.module for node in tree.body if isinstance(node, ast.ImportFrom)]
+    assert modules and not any(m == "ump" or m.startswith("ump.") for m in modules), modules
 
 
 WORKER = """

@@ -11,7 +11,8 @@ never imported), ``managed-pool`` (as stock, with CuPy's own pool over
 ``cupy.cuda.malloc_managed``, set by this file loaded as a pytest plugin:
 what managed memory costs without ump), and any backend name of ump
 (``auto``, ``managed``, ``pinned``, ``device``: ``-p ump.pytest_plugin
---ump=NAME``). Prints each run's wall seconds, the tests' seconds summed
+--ump=NAME``). The caller's ``UMP_*`` settings are not passed on, as in
+the bench's programs suite. Prints each run's wall seconds, the tests' seconds summed
 per module (from pytest's JUnit report), and where a test's outcome differs
 from the first configuration's. Nothing here asserts; run 26 in
 docs/performance.md made the same runs by hand.
@@ -33,26 +34,42 @@ HERE = pathlib.Path(__file__).resolve().parent
 MANAGED_POOL = "UMP_TOOL_MANAGED_POOL"  # set in managed-pool runs: the plugin hook below acts
 
 
-def pytest_configure(config):
-    """Loaded as a pytest plugin (``-p shared_gpu``): in managed-pool runs,
-    CuPy's pool allocates managed memory; otherwise nothing."""
+def use_managed_pool() -> None:
+    """In a managed-pool run's process: CuPy's pool over managed memory;
+    otherwise nothing (tools/shared_step.py's workers call it too)."""
     if os.environ.get(MANAGED_POOL) == "1":
         import cupy
 
         cupy.cuda.set_allocator(cupy.cuda.MemoryPool(cupy.cuda.malloc_managed).malloc)
 
 
+def environment(config: str) -> dict:
+    """A configuration's environment: the caller's without ump's settings
+    (the bench's rule: ``UMP_BACKEND`` left in the shell must not turn
+    ``auto`` into another backend), and the managed pool asked for in
+    managed-pool runs. Imports ump's bench in this process only, never in
+    the ones it starts under stock."""
+    from ump.bench.programs import without_ump_settings
+
+    env = without_ump_settings()
+    if config == "managed-pool":
+        env[MANAGED_POOL] = "1"
+    return env
+
+
+def pytest_configure(config):
+    """Loaded as a pytest plugin (``-p shared_gpu``) in managed-pool runs."""
+    use_managed_pool()
+
+
 def command(config: str, workers: int, args: list[str], junit: str) -> tuple[list[str], dict]:
     """The pytest command line and environment of one configuration."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
            f"--junitxml={junit}", *args]
-    env = dict(os.environ)
-    env.pop(MANAGED_POOL, None)
+    env = environment(config)
     if config in ("stock", "managed-pool"):
-        env.pop("CUPY_ENABLE_UMP", None)
         cmd += ["-p", "no:ump.pytest_plugin"]
         if config == "managed-pool":
-            env[MANAGED_POOL] = "1"
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
             cmd += ["-p", "shared_gpu"]
     else:

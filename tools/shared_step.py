@@ -33,8 +33,9 @@ import sys
 import tempfile
 import time
 
+from shared_gpu import environment, use_managed_pool  # beside this file; imports nothing of ump
+
 TRIALS, STEPS = 4, 800
-MANAGED_POOL = "UMP_TOOL_MANAGED_POOL"
 READY = "ready"
 
 
@@ -43,8 +44,7 @@ def _step_loop(reads: int, ready=None) -> list[float]:
     called between the untimed first trial and the timed ones."""
     import cupy
 
-    if os.environ.get(MANAGED_POOL) == "1":
-        cupy.cuda.set_allocator(cupy.cuda.MemoryPool(cupy.cuda.malloc_managed).malloc)
+    use_managed_pool()
     cupy.random.seed(0)
     a = cupy.random.randn(31, 11)
     y = a @ cupy.ones(11)
@@ -79,9 +79,7 @@ def command(config: str, reads: int) -> tuple[list[str], dict]:
     until a run is asked for)."""
     from ump.bench.programs import command as program_command
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UMP_") and k != "CUPY_ENABLE_UMP"}
-    if config == "managed-pool":
-        env[MANAGED_POOL] = "1"
+    env = environment(config)
     target = "stock" if config == "managed-pool" else config
     return program_command(target, os.path.abspath(__file__), ["--worker", str(reads)]), env
 

@@ -221,12 +221,17 @@ def command(config: str, script: str, args=(), module: str | None = None) -> lis
     return [sys.executable, "-m", "ump", "run", *options, *target]
 
 
+def without_ump_settings(environ=os.environ) -> dict:
+    """``environ`` without ump's settings (``UMP_*``, ``CUPY_ENABLE_UMP``):
+    each configuration says all it sets on its command line, so a variable
+    left in the shell cannot turn ``auto`` into another backend."""
+    return {k: v for k, v in environ.items() if not k.startswith("UMP_") and k != "CUPY_ENABLE_UMP"}
+
+
 def _environment(program: Program) -> dict:
-    """The caller's environment without ump's settings (each configuration
-    says all it sets on its command line), with what the program's source
-    says to set."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("UMP_") and k != "CUPY_ENABLE_UMP"}
+    """The caller's environment without ump's settings, with what the
+    program's source says to set."""
+    env = without_ump_settings()
     env["PYTHONUNBUFFERED"] = "1"
     env.update(program.env)
     return env
