@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 
 import pytest
 from _bench_cli import bench_cli, usage_error
@@ -150,6 +151,156 @@ def test_a_run_cut_short_keeps_what_finished_and_input_prints_it(tmp_path, monke
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("A partial report, written before its run ended")
     assert "| cg | " in shown.stdout and "printed GPU time: 1.000" in shown.stdout
+
+
+def _cut_short(tmp_path, caps, prog, after: int) -> dict:
+    """The partial report of a run of ``prog`` (two rounds, four for a
+    program as short as the stand-in) stopped once ``after`` runs were
+    recorded."""
+    from ump.bench import programs
+
+    writer, saved = bench._Checkpoints(str(tmp_path / "first" / "bench.json")), []
+
+    def checkpoint(partial):
+        writer(partial)
+        saved.append(partial)
+        if len(saved) == after:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bench._run([], False, ["stock", "auto"], 2, io.StringIO(), caps, {"cupy": str(tmp_path)}, (prog,),
+                   pinned=None, checkpoint=checkpoint, short_rounds=programs.short_rounds_of(2))
+    return json.loads((tmp_path / "first" / "bench.partial.json").read_text())
+
+
+@pytest.mark.parametrize("after, ran, total", [
+    # the warm-up, round 2's auto, then rounds 3 and 4 (the stand-in is short: not known yet)
+    (3, ["stock", "auto", "auto", "stock", "stock", "auto"], 6),
+    # the warm-up, then rounds 3 and 4 (the first two were whole and found it short)
+    (4, ["stock", "auto", "stock", "stock", "auto"], 5),
+    # the warm-up, round 3's stock, round 4 (cut inside the short programs' rounds)
+    (5, ["stock", "stock", "stock", "auto"], 4),
+    (6, ["stock", "stock", "auto"], 3),
+    (7, ["stock", "auto"], 2),
+    # nothing: every run was recorded, the report not yet written (no warm-up either)
+    (8, [], 0)])
+def test_a_run_resumed_from_its_partial_report_runs_only_what_it_lacks(tmp_path, monkeypatch, capsys, caps,
+                                                                       after, ran, total):
+    """``bench --resume`` goes on with a run of the programs suite that
+    stopped: the runs its partial report holds are kept, the rounds and
+    their turning order go on where it stopped after one warm-up run, the
+    progress counts only what is left, and the report says when the
+    partial report it went on with was written."""
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+    prog = programs.Program("cg", "cg/cg.py", (), programs._GPU_SECONDS, gpus=0)
+    first = _cut_short(tmp_path, caps, prog, after)
+    log.unlink()
+    err = io.StringIO()
+    report = bench._run([], False, ["stock", "auto"], 2, err, caps, {"cupy": str(tmp_path)}, (prog,),
+                        pinned=None, checkpoint=None, short_rounds=4,
+                        kept=programs.kept_runs(first["results"]), resumed=first)
+    lines = log.read_text().splitlines() if log.exists() else []
+    assert ["auto" if line.endswith("True 1") else "stock" for line in lines] == ran
+    per = report["results"]["program cg"]
+    for config in ("stock", "auto"):
+        assert per[config]["round_gpu"] == [0.75e6] * 4 and per[config]["returncodes"] == [0] * 4
+        assert per[config]["cpu"]["n"] == 4  # summed up anew, kept runs and new
+        kept = first["results"]["program cg"][config]["round_cpu"]
+        assert per[config]["round_cpu"][:len(kept)] == kept  # the first run's figures, as recorded
+    assert report["resumed"] == [first["time"]] and report["programs"] == ["cg"]
+    bench._print_tables(report)
+    said = capsys.readouterr().out
+    assert said.startswith(f"A run that went on with the runs of the partial report written at {first['time']}:")
+    assert f"its {after} runs kept" in err.getvalue()
+    assert (f"[{total}/{total}] round 4/4 cg [auto]" in err.getvalue()) == bool(total)
+    if total:  # stock's first rounds kept, so it is known short: the count is right from the first line
+        assert f"[1/{total}] warm-up cg [stock]" in err.getvalue()
+
+
+def test_a_resumed_run_judges_a_program_short_by_its_first_rounds_and_keeps_what_cannot_run_here(
+        tmp_path, monkeypatch):
+    """Whether a program is short is judged by its first ``rounds`` rounds
+    as in a run that was never cut, not by the short rounds kept after
+    them; a kept program this machine cannot run is refused where it has
+    runs left, and reported with its kept runs, not as skipped, where it
+    has none."""
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+    cg = programs.Program("cg", "cg/cg.py", (), programs._GPU_SECONDS, gpus=0)
+    gone = programs.Program("gone", "gone.py", (), needs=("ump_no_such_module",), gpus=0)  # cannot run here
+
+    def entry(walls):
+        return {"cpu_times": list(walls), "gpu_times": [], "round_cpu": list(walls), "round_gpu": [None] * len(walls),
+                "returncodes": [0] * len(walls), "errors": [], "metrics": {}}
+
+    # stock's first two rounds: 1 and 3 s, a median of 2 (short); with the third kept, 3 s (not short)
+    kept = {"program cg": {"suite": "programs", "stock": entry([1e6, 3e6, 9e6]), "auto": entry([1e6, 3e6, 9e6])}}
+    results, _ = programs.run(["stock", "auto"], 2, {"cupy": str(tmp_path)}, short_rounds=4, programs=(cg,),
+                              progress=io.StringIO(), kept=kept)
+    assert len(log.read_text().splitlines()) == 3  # the warm-up, then round 4 under both
+    assert [len(results["program cg"][c]["round_cpu"]) for c in ("stock", "auto")] == [4, 4]
+    with pytest.raises(ValueError, match=r"gone has runs left in the report this run goes on with, and cannot"):
+        programs.run(["stock", "auto"], 2, {"cupy": str(tmp_path)}, short_rounds=4, programs=(gone,),
+                     progress=io.StringIO(), kept={"program gone": {"suite": "programs", "stock": entry([3e6])}})
+    done = {"program gone": {"suite": "programs", "stock": entry([3e6, 3e6]), "auto": entry([3e6, 3e6])}}
+    results, skipped = programs.run(["stock", "auto"], 2, {"cupy": str(tmp_path)}, short_rounds=4,
+                                    programs=(gone,), progress=io.StringIO(), kept=done)
+    assert skipped == {} and results["program gone"]["auto"]["round_cpu"] == [3e6, 3e6]
+
+
+def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path):
+    """A report that is not a partial one of the programs suite, or whose
+    configurations, rounds, short rounds, programs or CPUs differ from
+    this run's, is refused before anything runs, and so is ``--resume``
+    with ``--input``; a run going on with its own partial report keeps it."""
+    from ump.bench import programs
+
+    entry = {"cpu_times": [1e6], "gpu_times": [], "round_cpu": [1e6], "round_gpu": [None], "returncodes": [0],
+             "errors": [], "metrics": {}}
+    every = [p.name for p in programs.PROGRAMS]
+    report = {"partial": True, "configs": ["stock", "auto"], "rounds": 2, "short_rounds": 4, "time": "t",
+              "programs": every, "cpus": None, "results": {"program cg": {"suite": "programs", "stock": entry}}}
+    without_programs = {k: v for k, v in report.items() if k != "programs"}
+    cases = [
+        (report, {"suites": ["programs", "alloc_numpy"]}, "--suites programs alone"),
+        ({**report, "partial": False}, {}, "that report is not partial"),
+        (report, {"rounds": 3, "short_rounds": 6}, "its run had --rounds 2, this one 3"),
+        (report, {"configs": ["stock", "device"]}, "its run had --configs stock,auto, this one stock,device"),
+        (report, {"short_rounds": 5}, "its run had --short-rounds 4, this one 5"),
+        (report, {"only": ["gmm"]}, f"its run had programs (--only) {','.join(every)}, this one gmm"),
+        ({**report, "programs": ["cg"]}, {}, f"its run had programs (--only) cg, this one {','.join(every)}"),
+        (without_programs, {}, "that report does not record its programs (--only)"),
+        ({**report, "cpus": {"asked": "0-3"}}, {}, "its run had --cpus 0-3, this one (none)"),
+        ({**report, "results": {"program cg": {"suite": "programs", "stock": {"round_cpu": [1]}}}}, {},
+         "lacks the runs' lists"),
+        ({**report, "results": {"add 100x100": {"suite": "dispatch"}, **report["results"]}}, {},
+         "other suites' cases"),
+    ]
+    for resume, args, message in cases:
+        kwargs = {"suites": ["programs"], "rounds": 2, "short_rounds": 4, **args}
+        with pytest.raises(bench.ArgumentError, match=re.escape(message)):
+            bench.run(progress=io.StringIO(), resume=resume, **kwargs)
+    with pytest.raises(bench.ArgumentError, match="nosuch") as refused:
+        bench.run(suites=["programs"], rounds=2, only=["nosuch"], progress=io.StringIO(), resume=report)
+    assert not str(refused.value).startswith("--resume")  # --only's own error
+    partial = tmp_path / "out.partial.json"
+    partial.write_text(json.dumps(report))
+    line = usage_error(bench_cli(tmp_path, "--input", str(partial), "--resume", str(partial)))
+    assert line.endswith("--resume and --input cannot be combined: --resume runs what a run left, --input runs "
+                         "nothing")
+    refused = bench_cli(tmp_path, "--suites", "programs", "--rounds", "2", "--output", str(tmp_path / "out.json"),
+                        "--resume", str(partial))  # no folder of programs named: refused, here or on a GPU
+    usage_error(refused)
+    assert json.loads(partial.read_text()) == report and "removing" not in refused.stderr
 
 
 def test_the_programs_table_says_which_programs_stay_within_the_bound():

@@ -215,6 +215,10 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     bench.add_argument("--short-rounds", type=_at_least_one, metavar="N",
                        help="rounds of the programs that stock runs in under 2.5 s (its median over --rounds "
                             "rounds), where the spread between processes is widest (default: twice --rounds)")
+    bench.add_argument("--resume", metavar="PARTIAL.json",
+                       help="with --suites programs: go on with a run that stopped, from its partial report; its "
+                            "runs are kept, the others run (the same --configs, --rounds, --short-rounds, --only, "
+                            "--cpus)")
     bench.add_argument("--cpus", metavar="LIST",
                        help="run every process on these CPUs (0,7,11 or 8-15), so that all configurations "
                             "meet the same ones (default: wherever the system puts them)")
@@ -238,6 +242,8 @@ def _check_writable(parser, flag: str, path: str) -> None:
 def _bench(parser, args) -> int:
     from . import bench as bench_mod
 
+    if args.input and args.resume:
+        parser.error("--resume and --input cannot be combined: --resume runs what a run left, --input runs nothing")
     if not args.input:
         _check_writable(parser, "--output", args.output)
         _check_writable(parser, "--output", bench_mod.partial_path(args.output))  # written while it runs

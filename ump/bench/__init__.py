@@ -34,6 +34,8 @@ NEEDS = {"dask": ("distributed", pip_install("dask"))}
 
 #: The suite that runs programs as they are, not cases in a worker.
 PROGRAMS = "programs"
+#: Its configurations unless named: other people's programs, stock against what a user gets.
+PROGRAMS_CONFIGS = ("stock", "auto")
 
 #: The worker's report on its own process, beside the cases.
 PROCESS_KEY = "__process__"
@@ -141,7 +143,7 @@ def _record(raw: dict, skipped: dict, timings: dict, config: str, progress) -> N
 
 
 def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
-        programs_dir=None, cpus=None, only=None, checkpoint=None, short_rounds=None) -> dict:
+        programs_dir=None, cpus=None, only=None, checkpoint=None, short_rounds=None, resume=None) -> dict:
     """Run ``suites`` under every configuration, ``rounds`` times interleaved
     (stock, imported, backend, stock, ...), so that slow drift of the machine
     spreads over all configurations; repeats of all rounds are pooled. A
@@ -158,24 +160,22 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     of what has finished, ``"partial": True`` in it, after each
     configuration's process once any case is recorded, and after each
     recorded run of the programs suite: a run cut short (the machine taken
-    back, Ctrl-C) keeps what it measured.
+    back, Ctrl-C) keeps what it measured. ``resume`` (``bench --resume``):
+    the partial report of such a run of the programs suite alone, which
+    this run goes on with (:func:`_kept`).
 
     Raises
     ------
     ArgumentError
         An unknown suite or configuration, one this machine cannot run,
         ``rounds`` below 1, CPUs this process cannot run on, ``only``
-        without the programs suite or naming no program of it, or
-        ``short_rounds`` without the programs suite or below ``rounds``.
+        without the programs suite or naming no program of it,
+        ``short_rounds`` without the programs suite or below ``rounds``, or
+        a ``resume`` report this run cannot go on with.
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ArgumentError(f"rounds must be an int >= 1, got {rounds!r}")
-    if short_rounds is not None and (suites is None or PROGRAMS not in suites):
-        raise ArgumentError("--short-rounds is for the programs suite: add --suites programs")
-    try:
-        short_rounds = programs.short_rounds_of(rounds, short_rounds)
-    except ValueError as err:
-        raise ArgumentError(str(err)) from None
+    short_rounds = _rounds_checked(suites, rounds, short_rounds)
+    kept = None if resume is None else _kept(resume, suites, configs or list(PROGRAMS_CONFIGS), rounds, short_rounds,
+                                             only, cpus)
     caps = _probe.probe()
     missing = _gpu_missing(caps)
 
@@ -207,7 +207,7 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     if suites is None:
         suites = _default_suites(runnable_suites, missing, progress)
     if found is not None and not configs:
-        configs = ["stock", "auto"]  # other people's programs: stock against what a user gets
+        configs = list(PROGRAMS_CONFIGS)
     # suites that set up their own configurations run once, in "imported"
     if not configs:
         configs = ["imported"] if set(suites) <= CONFIG_FREE else configurations(caps, smoke)
@@ -216,10 +216,68 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
     pinned, before = _pin(cpus, progress) if cpus is not None else (None, None)
     try:
         return _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned, checkpoint,
-                    short_rounds)
+                    short_rounds, kept, resume)
     finally:
         if before is not None:
             _cpus.pin(before)
+
+
+def _rounds_checked(suites, rounds, short_rounds) -> int:
+    """``short_rounds`` settled (:func:`ump.bench.programs.short_rounds_of`),
+    once ``rounds`` and it are found fit for ``suites``."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ArgumentError(f"rounds must be an int >= 1, got {rounds!r}")
+    if short_rounds is not None and (suites is None or PROGRAMS not in suites):
+        raise ArgumentError("--short-rounds is for the programs suite: add --suites programs")
+    try:
+        return programs.short_rounds_of(rounds, short_rounds)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+
+
+def _kept(report: dict, suites, configs, rounds: int, short_rounds: int, only, cpus) -> dict:
+    """The runs of ``report``, a partial report of the programs suite, that
+    a run with these arguments goes on with (``bench --resume``): the same
+    configurations, rounds, short rounds, programs and CPUs, so that its
+    rounds and their turning order continue where that run stopped.
+
+    Raises
+    ------
+    ArgumentError
+        Other suites than the programs suite; a finished report, or one of
+        another kind of run; arguments that differ from the report's.
+    """
+    if suites is None or set(suites) != {PROGRAMS}:
+        raise ArgumentError("--resume goes on with a run of the programs suite: --suites programs alone")
+    if not report.get("partial"):
+        raise ArgumentError("--resume: that report is not partial: its run finished, nothing is left to run")
+    try:
+        chosen = [p.name for p in programs.select(only)]
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None  # --only's own error
+    asked = (("--configs", "configs", configs), ("--rounds", "rounds", rounds),
+             ("--short-rounds", "short_rounds", short_rounds), ("programs (--only)", "programs", chosen))
+    for name, key, ours in asked:
+        if key not in report:
+            raise ArgumentError(f"--resume: that report does not record its {name}: it cannot be gone on with")
+        if report[key] != ours:
+            raise ArgumentError(f"--resume: its run had {name} {_shown(report[key])}, this one {_shown(ours)}: "
+                                f"give the same")
+    theirs = (report.get("cpus") or {}).get("asked")
+    if theirs != cpus:
+        raise ArgumentError(f"--resume: its run had --cpus {theirs or '(none)'}, this one {cpus or '(none)'}: "
+                            f"give the same")
+    try:
+        kept = programs.kept_runs(report["results"])
+    except ValueError as err:
+        raise ArgumentError(f"--resume: {err}") from None
+    if not kept or len(kept) != len(report["results"]):
+        raise ArgumentError("--resume: that report holds other suites' cases, or none of the programs suite")
+    return kept
+
+
+def _shown(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def _pin(spec: str, progress) -> tuple[dict, set]:
@@ -237,13 +295,18 @@ def _pin(spec: str, progress) -> tuple[dict, set]:
 
 
 def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned, checkpoint,
-         short_rounds: int) -> dict:
+         short_rounds: int, kept=None, resumed=None) -> dict:
     """The run itself, its arguments checked and ``short_rounds`` settled
-    (:func:`run`)."""
+    (:func:`run`); ``kept``: the runs of ``resumed``, the partial report it
+    goes on with (:func:`_kept`)."""
     raw, skipped, processes = {}, {}, []
+    # when each partial report this run goes on with was written
+    earlier = [] if resumed is None else [*resumed.get("resumed", []), str(resumed.get("time", "?"))]
 
     def report_of(results, skipped_cases):
-        extra = {"short_rounds": short_rounds} if found is not None else {}
+        extra = {"short_rounds": short_rounds, "programs": [p.name for p in selected]} if found is not None else {}
+        if earlier:
+            extra["resumed"] = earlier
         return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds, **extra,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "skipped": skipped_cases,
                 "processes": processes, "cpus": pinned}
@@ -276,11 +339,18 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned
     shown.close()
     results = summarised(raw)
     if found is not None:
-        ran, not_run = programs.run(
-            [c for c in configs if c != "imported"], rounds, found, short_rounds=short_rounds,
-            gpus=len(caps.devices), programs=selected,
-            progress=progress,
-            checkpoint=None if checkpoint is None else lambda r, n: save({**results, **r}, {**skipped, **n}))
+        if kept:
+            n = sum(len(e["round_cpu"]) for per in kept.values() for c, e in per.items() if c != "suite")
+            print(f"going on with the partial report written at {earlier[-1]}: its {n} runs kept",
+                  file=progress, flush=True)
+        try:
+            ran, not_run = programs.run(
+                [c for c in configs if c != "imported"], rounds, found, short_rounds=short_rounds,
+                gpus=len(caps.devices), programs=selected,
+                progress=progress, kept=kept,
+                checkpoint=None if checkpoint is None else lambda r, n: save({**results, **r}, {**skipped, **n}))
+        except ValueError as err:  # a kept program that cannot run here: before anything ran
+            raise ArgumentError(f"--resume: {err}") from None
         results.update(ran)
         skipped.update(not_run)
     return report_of(results, skipped)
@@ -510,6 +580,9 @@ def _print_tables(report: dict) -> None:
     if report.get("partial"):
         print("A partial report, written before its run ended (stopped, or still running): "
               "what had finished.\n")
+    if report.get("resumed"):
+        print(f"A run that went on with the runs of the partial report written at "
+              f"{', then '.join(report['resumed'])}: their rounds and this run's are not told apart below.\n")
     print(table(report))
     text = programs.table(report)
     if text:
@@ -551,15 +624,18 @@ def main(args) -> int:
         if args.compare and os.path.abspath(args.compare) == os.path.abspath(checkpoint.path):
             raise ArgumentError(f"--compare {args.compare}: this run writes its partial reports there; "
                                 f"copy it elsewhere first")
+        resume = getattr(args, "resume", None)
+        resumed = _load("--resume", resume) if resume else None
         suites = args.suites.split(",") if args.suites else None
         configs = args.configs.split(",") if args.configs else None
-        checkpoint.start()
+        if resumed is None or os.path.abspath(resume) != os.path.abspath(checkpoint.path):
+            checkpoint.start()  # a run going on with its own partial report rewrites it, kept runs and all
         try:
             report = run(suites=suites, smoke=args.smoke, configs=configs, rounds=args.rounds,
                          short_rounds=getattr(args, "short_rounds", None),
                          programs_dir=getattr(args, "programs", None), cpus=getattr(args, "cpus", None),
                          only=args.only.split(",") if getattr(args, "only", None) is not None else None,
-                         checkpoint=checkpoint)
+                         checkpoint=checkpoint, resume=resumed)
         except BaseException:
             checkpoint.say_where()
             raise

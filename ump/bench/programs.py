@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import copy
 import dataclasses
 import doctest
 import importlib.util
@@ -45,7 +46,7 @@ import time
 from .summary import round_pairs, round_ratios, summarised
 
 __all__ = ["PROGRAMS", "SOURCES", "ENV", "Program", "Source", "command", "docstring_script", "folders",
-           "run", "short_rounds_of", "table"]
+           "kept_runs", "run", "short_rounds_of", "table"]
 
 #: The variable that names the programs' folders (``os.pathsep`` between them).
 ENV = "UMP_BENCH_PROGRAMS"
@@ -317,13 +318,17 @@ def _once(program: Program, config: str, script: str, cwd: str, timeout: float) 
     return out
 
 
+#: The lists of one program's entry under one configuration, a run added to
+#: each (:func:`_record`).
+_RUN_LISTS = ("cpu_times", "gpu_times", "round_cpu", "round_gpu", "returncodes", "errors")
+
+
 def _record(results: dict, program: Program, config: str, one: dict) -> None:
     """Add one recorded run to ``results``. A run that failed counts for
     nothing (a crash is quick); its round keeps its place, as None, so
     rounds pair up."""
     entry = results.setdefault(f"program {program.name}", {"suite": "programs"}).setdefault(
-        config, {"cpu_times": [], "gpu_times": [], "round_cpu": [], "round_gpu": [],
-                 "metrics": {}, "returncodes": [], "errors": []})
+        config, {**{name: [] for name in _RUN_LISTS}, "metrics": {}})
     entry["returncodes"].append(one["rc"])
     if "error" in one:
         entry["errors"].append(one["error"])
@@ -349,8 +354,40 @@ def short_rounds_of(rounds: int, short_rounds: int | None = None) -> int:
     return value
 
 
+def kept_runs(results: dict) -> dict:
+    """The recorded runs of the programs in a report's ``results`` (a run
+    cut short: ``bench --resume``), as :func:`run` goes on with them: its
+    programs' entries without their summaries, which :func:`run` makes
+    anew.
+
+    Raises
+    ------
+    ValueError
+        An entry lacks one of the lists a run is recorded in.
+    """
+    out = {}
+    for case, per in results.items():
+        if not isinstance(per, dict) or per.get("suite") != "programs":
+            continue
+        out[case] = {"suite": "programs"}
+        for config, entry in per.items():
+            if config == "suite":
+                continue
+            if not isinstance(entry, dict) or not all(isinstance(entry.get(k), list) for k in _RUN_LISTS):
+                raise ValueError(f"its entry of {case!r} under {config!r} lacks the runs' lists "
+                                 f"({', '.join(_RUN_LISTS)})")
+            out[case][config] = {k: copy.deepcopy(v) for k, v in entry.items() if k not in ("cpu", "gpu")}
+    return out
+
+
+def _recorded(results: dict, program: Program, config: str) -> int:
+    """How many rounds of ``program`` under ``config`` ``results`` holds."""
+    return len(results.get(f"program {program.name}", {}).get(config, {}).get("round_cpu", ()))
+
+
 def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, warmup: int = 1, gpus: int = 1,
-        timeout: float = 600, programs=PROGRAMS, progress=sys.stderr, checkpoint=None) -> tuple[dict, dict]:
+        timeout: float = 600, programs=PROGRAMS, progress=sys.stderr, checkpoint=None,
+        kept=None) -> tuple[dict, dict]:
     """(results, skipped): per program and configuration, the wall and
     printed GPU times of ``rounds`` runs (microseconds, as the other suites),
     after ``warmup`` rounds that are not recorded; a program that stock
@@ -361,36 +398,64 @@ def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, w
     ``checkpoint(results, skipped)``, if given, is called after each
     recorded run (the warm-up's are not) with copies of what has finished
     so far, summarised as at the end: a run of many minutes that is cut
-    short keeps its table."""
+    short keeps its table. ``kept`` (:func:`kept_runs`): the runs a run
+    with the same configurations and rounds recorded before it was cut
+    short; each round of a program under a configuration that ``kept``
+    holds is not run again, and a program with nothing left to run is not
+    warmed up.
+
+    Raises
+    ------
+    ValueError
+        ``short_rounds`` below ``rounds``; a program with runs left in
+        ``kept`` that this machine cannot run.
+    """
     short_rounds = short_rounds_of(rounds, short_rounds)
     judge = "stock" if "stock" in configs else configs[0]
     found = {name: os.path.abspath(path) for name, path in found.items()}  # the programs run elsewhere
-    skipped, results = {}, {}
+    skipped, results = {}, copy.deepcopy(kept or {})
+
+    def short(program) -> bool:
+        return _short(results.get(f"program {program.name}", {}).get(judge), rounds)
+
+    def known_short(program) -> bool:
+        """The first rounds it is judged by are kept, and found it short."""
+        return _recorded(results, program, judge) >= rounds and short(program)
+
+    def left(program) -> int:
+        """Its runs still to make in the first rounds, and in the short
+        programs' rounds where it is known to be short."""
+        total = short_rounds if known_short(program) else rounds
+        return sum(max(0, total - _recorded(results, program, c)) for c in configs)
+
     with tempfile.TemporaryDirectory() as cwd:
         scripts = {}  # the programs this machine runs, and the file each runs
         for program in programs:
-            why = _missing(program, gpus, found)
+            why = _script(program, gpus, found, cwd, scripts)
             if why is None:
-                try:
-                    scripts[program] = (docstring_script(program.path, cwd) if program.source == "cupyx-docs"
-                                        else os.path.join(found[program.source], program.path))
-                    continue
-                except (OSError, SyntaxError, ValueError) as err:
-                    why = str(err)
+                continue
+            if f"program {program.name}" in results:
+                if left(program):
+                    raise ValueError(f"{program.name} has runs left in the report this run goes on with, "
+                                     f"and cannot run here: {why}")
+                continue  # its kept runs are all it makes
             skipped[f"program {program.name}"] = why
             print(f"program skipped ({program.name}): {why}", file=progress, flush=True)
         chosen = list(scripts)
-        plan = _Plan(chosen, warmup + rounds * len(configs), (short_rounds - rounds) * len(configs), progress)
+        warm = [p for p in chosen if left(p)]  # warming CuPy's kernel cache takes one run of each program
+        plan = _Plan({p: left(p) + (warmup if p in warm else 0) for p in chosen},
+                     {p: 0 if known_short(p) else (short_rounds - rounds) * len(configs) for p in chosen}, progress)
         for r in range(warmup + short_rounds):
-            # Warming CuPy's kernel cache takes one run of each program.
             order = configs[:1] if r < warmup else configs[r % len(configs):] + configs[:r % len(configs)]
             if r == warmup + rounds:
-                chosen = [p for p in chosen if _short(results.get(f"program {p.name}", {}).get(judge))]
+                chosen = [p for p in chosen if short(p)]
                 plan.extend(chosen)
             k = r - warmup + 1
             label = "warm-up" if r < warmup else f"round {k}/{rounds if k <= rounds else short_rounds}"
-            for program in chosen:
+            for program in warm if r < warmup else chosen:
                 for config in order:
+                    if r >= warmup and _recorded(results, program, config) >= k:
+                        continue  # kept from the run this one goes on with
                     plan.say(label, program, config)
                     one = _once(program, config, scripts[program], cwd, timeout)
                     plan.ran(program, one, guess=r < warmup)
@@ -401,16 +466,30 @@ def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, w
     return summarised(results), skipped
 
 
+def _script(program: Program, gpus: int, found: dict, cwd: str, scripts: dict) -> str | None:
+    """Put the file ``program`` runs in ``scripts`` (a docstring's examples
+    written to a script in ``cwd``); or why this machine cannot run it."""
+    why = _missing(program, gpus, found)
+    if why is None:
+        try:
+            scripts[program] = (docstring_script(program.path, cwd) if program.source == "cupyx-docs"
+                                else os.path.join(found[program.source], program.path))
+        except (OSError, SyntaxError, ValueError) as err:
+            why = str(err)
+    return why
+
+
 class _Plan:
     """The runs each program has still to make, said as the run goes on
     with the time left, from each program's own time per run (cg's is 25
-    times a one-second program's). A program makes ``runs`` runs, and
-    ``extra`` more where it is short: guessed from its warm-up (which
-    compiles kernels, so may take longer), settled after its first
+    times a one-second program's). A program makes ``runs[program]`` runs,
+    and ``extra[program]`` more where it is short: guessed from its warm-up
+    (which compiles kernels, so may take longer), settled after its first
     rounds (:meth:`extend`)."""
 
-    def __init__(self, programs, runs: int, extra: int, progress):
-        self.left = dict.fromkeys(programs, runs)
+    def __init__(self, runs: dict, extra: dict, progress):
+        programs = list(runs)
+        self.left = dict(runs)
         self.extra, self.guessed = extra, dict.fromkeys(programs, 0)
         self.spent = {p: [0.0, 0] for p in programs}  # seconds, runs
         self.done, self.t0, self.progress = 0, time.perf_counter(), progress
@@ -418,7 +497,7 @@ class _Plan:
     def extend(self, short) -> None:
         """The first rounds are over: the ``short`` programs go on."""
         for program in self.left:
-            self.left[program] += self.extra if program in short else 0
+            self.left[program] += self.extra[program] if program in short else 0
             self.guessed[program] = 0
 
     def say(self, label: str, program, config: str) -> None:
@@ -439,18 +518,20 @@ class _Plan:
             self.spent[program][0] += one["wall"]
             self.spent[program][1] += 1
         if guess:
-            self.guessed[program] = self.extra if one["wall"] is not None and one["wall"] < SHORT_S else 0
+            self.guessed[program] = self.extra[program] if one["wall"] is not None and one["wall"] < SHORT_S else 0
         gpu = "" if one["gpu"] is None else f", GPU {one['gpu']:.3f} s"
         wall = "" if one["wall"] is None else f"{one['wall']:.2f} s"
         print(f"    {wall}{gpu}, exit {one['rc']}{': ' + str(one['error']) if 'error' in one else ''}",
               file=self.progress, flush=True)
 
 
-def _short(entry) -> bool:
-    """Whether the runs of ``entry`` so far (one program, one configuration)
-    took under :data:`SHORT_S` seconds of wall time by their median; a
-    program none of whose runs exited 0 is not short."""
-    times = (entry or {}).get("cpu_times")
+def _short(entry, rounds: int) -> bool:
+    """Whether the first ``rounds`` rounds of ``entry`` (one program, one
+    configuration) took under :data:`SHORT_S` seconds of wall time by their
+    median: those a run judges by, whether or not more rounds are kept
+    (``bench --resume``). A program none of whose runs exited 0 is not
+    short."""
+    times = [t for t in ((entry or {}).get("round_cpu") or ())[:rounds] if t is not None]
     return bool(times) and statistics.median(times) < SHORT_S * 1e6
 
 
