@@ -174,7 +174,11 @@ def _cut_short(tmp_path, caps, prog, after: int) -> dict:
 
 
 @pytest.mark.parametrize("after, ran, total", [
-    # the warm-up, round 2's auto, then rounds 3 and 4 (the stand-in is short: not known yet)
+    # stock's first rounds not all kept, so whether the stand-in is short is guessed from its warm-up:
+    # the warm-up, the rest of round 1, then rounds 2 to 4
+    (1, ["stock", "stock", "stock", "auto", "auto", "stock", "stock", "auto"], 8),
+    (2, ["stock", "stock", "auto", "auto", "stock", "stock", "auto"], 7),
+    # stock's first rounds kept, so it is known short: the warm-up, round 2's auto, then rounds 3 and 4
     (3, ["stock", "auto", "auto", "stock", "stock", "auto"], 6),
     # the warm-up, then rounds 3 and 4 (the first two were whole and found it short)
     (4, ["stock", "auto", "stock", "stock", "auto"], 5),
@@ -203,22 +207,23 @@ def test_a_run_resumed_from_its_partial_report_runs_only_what_it_lacks(tmp_path,
     err = io.StringIO()
     report = bench._run([], False, ["stock", "auto"], 2, err, caps, {"cupy": str(tmp_path)}, (prog,),
                         pinned=None, checkpoint=None, short_rounds=4,
-                        kept=programs.kept_runs(first["results"]), resumed=first)
+                        kept=programs.kept_runs(first["results"]), resumed={**first, "resumed": ["before"]})
     lines = log.read_text().splitlines() if log.exists() else []
     assert ["auto" if line.endswith("True 1") else "stock" for line in lines] == ran
     per = report["results"]["program cg"]
     for config in ("stock", "auto"):
         assert per[config]["round_gpu"] == [0.75e6] * 4 and per[config]["returncodes"] == [0] * 4
         assert per[config]["cpu"]["n"] == 4  # summed up anew, kept runs and new
-        kept = first["results"]["program cg"][config]["round_cpu"]
+        kept = first["results"]["program cg"].get(config, {}).get("round_cpu", [])
         assert per[config]["round_cpu"][:len(kept)] == kept  # the first run's figures, as recorded
-    assert report["resumed"] == [first["time"]] and report["programs"] == ["cg"]
+    assert report["resumed"] == ["before", first["time"]] and report["programs"] == ["cg"]
     bench._print_tables(report)
     said = capsys.readouterr().out
-    assert said.startswith(f"A run that went on with the runs of the partial report written at {first['time']}:")
+    assert said.startswith(f"A run that went on with the runs of the partial report written at before, then "
+                           f"{first['time']}:")
     assert f"its {after} runs kept" in err.getvalue()
     assert (f"[{total}/{total}] round 4/4 cg [auto]" in err.getvalue()) == bool(total)
-    if total:  # stock's first rounds kept, so it is known short: the count is right from the first line
+    if after >= 3 and total:  # known short: the count is right from the first line
         assert f"[1/{total}] warm-up cg [stock]" in err.getvalue()
 
 
@@ -248,6 +253,13 @@ def test_a_resumed_run_judges_a_program_short_by_its_first_rounds_and_keeps_what
                               progress=io.StringIO(), kept=kept)
     assert len(log.read_text().splitlines()) == 3  # the warm-up, then round 4 under both
     assert [len(results["program cg"][c]["round_cpu"]) for c in ("stock", "auto")] == [4, 4]
+    # known long (stock's first rounds 3 s), though its warm-up is quick: round 2's auto only, counted so
+    err = io.StringIO()
+    results, _ = programs.run(["stock", "auto"], 2, {"cupy": str(tmp_path)}, short_rounds=4, programs=(cg,),
+                              progress=err, kept={"program cg": {"suite": "programs", "stock": entry([3e6, 3e6]),
+                                                                 "auto": entry([3e6])}})
+    assert [len(results["program cg"][c]["round_cpu"]) for c in ("stock", "auto")] == [2, 2]
+    assert "[1/2] warm-up cg [stock]" in err.getvalue() and "[2/2] round 2/2 cg [auto]" in err.getvalue()
     with pytest.raises(ValueError, match=r"gone has runs left in the report this run goes on with, and cannot"):
         programs.run(["stock", "auto"], 2, {"cupy": str(tmp_path)}, short_rounds=4, programs=(gone,),
                      progress=io.StringIO(), kept={"program gone": {"suite": "programs", "stock": entry([3e6])}})
@@ -278,7 +290,7 @@ def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path):
         (report, {"short_rounds": 5}, "its run had --short-rounds 4, this one 5"),
         (report, {"only": ["gmm"]}, f"its run had programs (--only) {','.join(every)}, this one gmm"),
         ({**report, "programs": ["cg"]}, {}, f"its run had programs (--only) cg, this one {','.join(every)}"),
-        (without_programs, {}, "that report does not record its programs (--only)"),
+        (without_programs, {}, "that report does not record which programs its run chose"),
         ({**report, "cpus": {"asked": "0-3"}}, {}, "its run had --cpus 0-3, this one (none)"),
         ({**report, "results": {"program cg": {"suite": "programs", "stock": {"round_cpu": [1]}}}}, {},
          "lacks the runs' lists"),

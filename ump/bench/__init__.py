@@ -252,27 +252,29 @@ def _kept(report: dict, suites, configs, rounds: int, short_rounds: int, only, c
     if not report.get("partial"):
         raise ArgumentError("--resume: that report is not partial: its run finished, nothing is left to run")
     try:
+        kept = programs.kept_runs(report["results"])
+    except ValueError as err:
+        raise ArgumentError(f"--resume: {err}") from None
+    if not kept or len(kept) != len(report["results"]):
+        raise ArgumentError("--resume: that report holds other suites' cases, or none of the programs suite")
+    if "programs" not in report:
+        raise ArgumentError("--resume: that report does not record which programs its run chose (a bench from "
+                            "before --resume wrote it): run the programs again without --resume; --input "
+                            "still prints it")
+    try:
         chosen = [p.name for p in programs.select(only)]
     except ValueError as err:
         raise ArgumentError(str(err)) from None  # --only's own error
     asked = (("--configs", "configs", configs), ("--rounds", "rounds", rounds),
              ("--short-rounds", "short_rounds", short_rounds), ("programs (--only)", "programs", chosen))
     for name, key, ours in asked:
-        if key not in report:
-            raise ArgumentError(f"--resume: that report does not record its {name}: it cannot be gone on with")
-        if report[key] != ours:
+        if report.get(key) != ours:
             raise ArgumentError(f"--resume: its run had {name} {_shown(report[key])}, this one {_shown(ours)}: "
                                 f"give the same")
     theirs = (report.get("cpus") or {}).get("asked")
     if theirs != cpus:
         raise ArgumentError(f"--resume: its run had --cpus {theirs or '(none)'}, this one {cpus or '(none)'}: "
-                            f"give the same")
-    try:
-        kept = programs.kept_runs(report["results"])
-    except ValueError as err:
-        raise ArgumentError(f"--resume: {err}") from None
-    if not kept or len(kept) != len(report["results"]):
-        raise ArgumentError("--resume: that report holds other suites' cases, or none of the programs suite")
+                            f"give the same, as typed")
     return kept
 
 
@@ -349,7 +351,7 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned
                 gpus=len(caps.devices), programs=selected,
                 progress=progress, kept=kept,
                 checkpoint=None if checkpoint is None else lambda r, n: save({**results, **r}, {**skipped, **n}))
-        except ValueError as err:  # a kept program that cannot run here: before anything ran
+        except programs.CannotResume as err:  # raised before anything runs
             raise ArgumentError(f"--resume: {err}") from None
         results.update(ran)
         skipped.update(not_run)

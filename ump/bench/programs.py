@@ -45,7 +45,8 @@ import time
 
 from .summary import round_pairs, round_ratios, summarised
 
-__all__ = ["PROGRAMS", "SOURCES", "ENV", "Program", "Source", "command", "docstring_script", "folders",
+__all__ = ["PROGRAMS", "SOURCES", "ENV", "CannotResume", "Program", "Source", "command", "docstring_script",
+           "folders",
            "kept_runs", "run", "short_rounds_of", "table"]
 
 #: The variable that names the programs' folders (``os.pathsep`` between them).
@@ -318,6 +319,10 @@ def _once(program: Program, config: str, script: str, cwd: str, timeout: float) 
     return out
 
 
+class CannotResume(ValueError):
+    """A run cannot go on with the runs a report kept (``bench --resume``)."""
+
+
 #: The lists of one program's entry under one configuration, a run added to
 #: each (:func:`_record`).
 _RUN_LISTS = ("cpu_times", "gpu_times", "round_cpu", "round_gpu", "returncodes", "errors")
@@ -398,17 +403,16 @@ def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, w
     ``checkpoint(results, skipped)``, if given, is called after each
     recorded run (the warm-up's are not) with copies of what has finished
     so far, summarised as at the end: a run of many minutes that is cut
-    short keeps its table. ``kept`` (:func:`kept_runs`): the runs a run
-    with the same configurations and rounds recorded before it was cut
-    short; each round of a program under a configuration that ``kept``
-    holds is not run again, and a program with nothing left to run is not
-    warmed up.
+    short keeps its table. ``kept`` (:func:`kept_runs`): the runs of such a
+    run with the same configurations and rounds; a round it holds is not
+    run again, and a program with nothing left is not warmed up.
 
     Raises
     ------
     ValueError
-        ``short_rounds`` below ``rounds``; a program with runs left in
-        ``kept`` that this machine cannot run.
+        ``short_rounds`` below ``rounds``.
+    CannotResume
+        A program with runs left in ``kept`` that this machine cannot run.
     """
     short_rounds = short_rounds_of(rounds, short_rounds)
     judge = "stock" if "stock" in configs else configs[0]
@@ -436,15 +440,16 @@ def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, w
                 continue
             if f"program {program.name}" in results:
                 if left(program):
-                    raise ValueError(f"{program.name} has runs left in the report this run goes on with, "
-                                     f"and cannot run here: {why}")
+                    raise CannotResume(f"{program.name} has runs left in the report this run goes on with, "
+                                       f"and cannot run here: {why}")
                 continue  # its kept runs are all it makes
             skipped[f"program {program.name}"] = why
             print(f"program skipped ({program.name}): {why}", file=progress, flush=True)
         chosen = list(scripts)
         warm = [p for p in chosen if left(p)]  # warming CuPy's kernel cache takes one run of each program
         plan = _Plan({p: left(p) + (warmup if p in warm else 0) for p in chosen},
-                     {p: 0 if known_short(p) else (short_rounds - rounds) * len(configs) for p in chosen}, progress)
+                     {p: 0 if _recorded(results, p, judge) >= rounds else (short_rounds - rounds) * len(configs)
+                      for p in chosen}, progress)
         for r in range(warmup + short_rounds):
             order = configs[:1] if r < warmup else configs[r % len(configs):] + configs[:r % len(configs)]
             if r == warmup + rounds:
