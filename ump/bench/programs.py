@@ -46,8 +46,7 @@ import time
 from .summary import round_pairs, round_ratios, summarised
 
 __all__ = ["PROGRAMS", "SOURCES", "ENV", "CannotResume", "Program", "Source", "command", "docstring_script",
-           "folders",
-           "kept_runs", "run", "short_rounds_of", "table"]
+           "folders", "kept_runs", "run", "short_rounds_of", "table"]
 
 #: The variable that names the programs' folders (``os.pathsep`` between them).
 ENV = "UMP_BENCH_PROGRAMS"
