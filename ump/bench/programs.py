@@ -362,7 +362,7 @@ def kept_runs(results: dict) -> dict:
     """The recorded runs of the programs in a report's ``results`` (a run
     cut short: ``bench --resume``), as :func:`run` goes on with them: its
     programs' entries without their summaries, which :func:`run` makes
-    anew.
+    anew, sharing their lists with ``results`` (:func:`run` copies them).
 
     Raises
     ------
@@ -380,7 +380,7 @@ def kept_runs(results: dict) -> dict:
             if not isinstance(entry, dict) or not all(isinstance(entry.get(k), list) for k in _RUN_LISTS):
                 raise ValueError(f"its entry of {case!r} under {config!r} lacks the runs' lists "
                                  f"({', '.join(_RUN_LISTS)})")
-            out[case][config] = {k: copy.deepcopy(v) for k, v in entry.items() if k not in ("cpu", "gpu")}
+            out[case][config] = {k: v for k, v in entry.items() if k not in ("cpu", "gpu")}  # run() copies
     return out
 
 
