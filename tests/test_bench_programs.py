@@ -205,9 +205,10 @@ def test_a_run_resumed_from_its_partial_report_runs_only_what_it_lacks(tmp_path,
     first = _cut_short(tmp_path, caps, prog, after)
     log.unlink()
     err = io.StringIO()
+    elsewhere = {"boot": "another boot", "folder": first["kernel_cache"]["folder"]}  # a machine started anew
     report = bench._run([], False, ["stock", "auto"], 2, err, caps, {"cupy": str(tmp_path)}, (prog,),
-                        pinned=None, checkpoint=None, short_rounds=4,
-                        kept=programs.kept_runs(first["results"]), resumed={**first, "resumed": ["before"]})
+                        pinned=None, checkpoint=None, short_rounds=4, kept=programs.kept_runs(first["results"]),
+                        resumed={**first, "resumed": ["before"], "kernel_cache": elsewhere})
     lines = log.read_text().splitlines() if log.exists() else []
     assert ["auto" if line.endswith("True 1") else "stock" for line in lines] == ran
     per = report["results"]["program cg"]
@@ -225,6 +226,53 @@ def test_a_run_resumed_from_its_partial_report_runs_only_what_it_lacks(tmp_path,
     assert (f"[{total}/{total}] round 4/4 cg [auto]" in err.getvalue()) == bool(total)
     if after >= 3 and total:  # known short: the count is right from the first line
         assert f"[1/{total}] warm-up cg [stock]" in err.getvalue()
+
+
+def test_a_run_resumed_in_the_boot_that_wrote_its_report_makes_no_warm_ups(tmp_path, monkeypatch, caps):
+    """A partial report records the machine's boot and CuPy's kernel cache
+    folder; a run going on with it in the same boot, with the same folder
+    still there, finds the kernels its warm-ups compiled and makes none,
+    the rounds turning as they would after one. A machine started anew, or
+    a cache folder gone, warms up again."""
+    from ump.bench import programs
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "cg.py").write_text(_FAKE_PROGRAM)
+    log, boot, cache = tmp_path / "log", tmp_path / "boot_id", tmp_path / "kernel_cache"
+    monkeypatch.setenv("FAKE_PROGRAM_LOG", str(log))
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(cache))
+    monkeypatch.setattr(programs, "_BOOT_ID", str(boot))
+    boot.write_text("boot-1\n")
+    cache.mkdir()
+    prog = programs.Program("cg", "cg/cg.py", (), programs._GPU_SECONDS, gpus=0)
+    first = _cut_short(tmp_path, caps, prog, 3)
+    assert first["kernel_cache"] == {"boot": "boot-1", "folder": str(cache)}
+
+    def resumed():
+        if log.exists():
+            log.unlink()
+        err = io.StringIO()
+        report = bench._run([], False, ["stock", "auto"], 2, err, caps, {"cupy": str(tmp_path)}, (prog,),
+                            pinned=None, checkpoint=None, short_rounds=4,
+                            kept=programs.kept_runs(first["results"]), resumed=first)
+        per = report["results"]["program cg"]
+        assert [len(per[c]["round_cpu"]) for c in ("stock", "auto")] == [4, 4]
+        return ["auto" if line.endswith("True 1") else "stock" for line in log.read_text().splitlines()], err.getvalue()
+
+    ran, said = resumed()  # the rest of round 2, then rounds 3 and 4, in the order of a run with a warm-up
+    assert ran == ["auto", "auto", "stock", "stock", "auto"]
+    assert "whose kernel cache it warmed: no warm-ups" in said and "warm-up" not in said.replace("warm-ups", "")
+    assert "[1/5] round 2/2 cg [auto]" in said and "[5/5] round 4/4 cg [auto]" in said
+    boot.write_text("boot-2\n")  # the machine started anew
+    ran, said = resumed()
+    assert ran == ["stock", "auto", "auto", "stock", "stock", "auto"] and "[1/6] warm-up cg [stock]" in said
+    boot.write_text("boot-1\n")
+    cache.rmdir()  # the cache folder gone
+    assert resumed()[0][0] == "stock" and not programs.warmed_by(first)
+    boot.unlink()  # a system that does not name its boot
+    cache.mkdir()
+    assert programs.kernel_cache()["boot"] is None and not programs.warmed_by({**first, "kernel_cache": {
+        "boot": None, "folder": str(cache)}})
 
 
 def test_a_resumed_run_judges_a_program_short_by_its_first_rounds_and_keeps_what_cannot_run_here(
@@ -506,8 +554,8 @@ def test_docstring_examples_and_test_runners_run_as_programs(tmp_path, monkeypat
                                     short_rounds=1, programs=(docs, runner, missing), progress=io.StringIO())
     assert list(skipped) == ["program gone"] and "defines no nothing" in skipped["program gone"]
     test_file = str(tmp_path / "pylops" / "pytests" / "test_leastsquares.py")
-    assert log.read_text().splitlines() == [
-        "docs False -", "docs True 1",
-        f"runner ['{test_file}', '-q'] 1 False", f"runner ['{test_file}', '-q'] 1 True"]
+    assert log.read_text().splitlines() == [  # round 1: the second configuration first, warm-up or none
+        "docs True 1", "docs False -",
+        f"runner ['{test_file}', '-q'] 1 True", f"runner ['{test_file}', '-q'] 1 False"]
     assert results["program doc"]["auto"]["returncodes"] == [0]
     assert results["program runner"]["stock"]["returncodes"] == [0]

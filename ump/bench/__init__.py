@@ -305,8 +305,11 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned
     # when each partial report this run goes on with was written
     earlier = [] if resumed is None else [*resumed.get("resumed", []), str(resumed.get("time", "?"))]
 
+    cache = programs.kernel_cache() if found is not None else None
+
     def report_of(results, skipped_cases):
-        extra = {"short_rounds": short_rounds, "programs": [p.name for p in selected]} if found is not None else {}
+        extra = ({"short_rounds": short_rounds, "programs": [p.name for p in selected], "kernel_cache": cache}
+                 if found is not None else {})
         if earlier:
             extra["resumed"] = earlier
         return {"probe": caps.as_dict(), "configs": configs, "smoke": smoke, "rounds": rounds, **extra,
@@ -341,14 +344,16 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned
     shown.close()
     results = summarised(raw)
     if found is not None:
+        warm = resumed is not None and programs.warmed_by(resumed)
         if kept:
             n = sum(len(e["round_cpu"]) for per in kept.values() for c, e in per.items() if c != "suite")
-            print(f"going on with the partial report written at {earlier[-1]}: its {n} runs kept",
-                  file=progress, flush=True)
+            print(f"going on with the partial report written at {earlier[-1]}: its {n} runs kept"
+                  + ("; written in this boot of the machine, whose kernel cache it warmed: no warm-ups"
+                     if warm else ""), file=progress, flush=True)
         try:
             ran, not_run = programs.run(
                 [c for c in configs if c != "imported"], rounds, found, short_rounds=short_rounds,
-                gpus=len(caps.devices), programs=selected,
+                warmup=0 if warm else 1, gpus=len(caps.devices), programs=selected,
                 progress=progress, kept=kept,
                 checkpoint=None if checkpoint is None else lambda r, n: save({**results, **r}, {**skipped, **n}))
         except programs.CannotResume as err:  # raised before anything runs

@@ -17,8 +17,10 @@ apply), told apart by the files they hold; a source not named is skipped
 with the reason. Each run is a process of its own; what is recorded is the
 process's wall time and the GPU time the program prints itself, where it
 prints one. A first round, under the first configuration, warms CuPy's
-kernel cache and is not recorded; then every round runs every program under every configuration, the order
-of the configurations turning from round to round so that slow drift of the
+kernel cache and is not recorded (none where a run goes on with a partial
+report written in this boot of the machine: :func:`warmed_by`); then every
+round runs every program under every configuration, the order of the
+configurations turning from round to round so that slow drift of the
 machine spreads over all of them. The programs that stock runs in under
 :data:`SHORT_S` seconds go on for more rounds than the others (``bench
 --short-rounds``): there the spread from one process to the next is as wide
@@ -46,7 +48,7 @@ import time
 from .summary import round_pairs, round_ratios, summarised
 
 __all__ = ["PROGRAMS", "SOURCES", "ENV", "CannotResume", "Program", "Source", "command", "docstring_script",
-           "folders", "kept_runs", "run", "short_rounds_of", "table"]
+           "folders", "kept_runs", "kernel_cache", "run", "short_rounds_of", "table", "warmed_by"]
 
 #: The variable that names the programs' folders (``os.pathsep`` between them).
 ENV = "UMP_BENCH_PROGRAMS"
@@ -450,11 +452,11 @@ def run(configs, rounds: int, found: dict, *, short_rounds: int | None = None, w
                      {p: 0 if _recorded(results, p, judge) >= rounds else (short_rounds - rounds) * len(configs)
                       for p in chosen}, progress)
         for r in range(warmup + short_rounds):
-            order = configs[:1] if r < warmup else configs[r % len(configs):] + configs[:r % len(configs)]
+            k = r - warmup + 1  # the round, from 1; the configurations' order turns with it
+            order = configs[:1] if r < warmup else configs[k % len(configs):] + configs[:k % len(configs)]
             if r == warmup + rounds:
                 chosen = [p for p in chosen if short(p)]
                 plan.extend(chosen)
-            k = r - warmup + 1
             label = "warm-up" if r < warmup else f"round {k}/{rounds if k <= rounds else short_rounds}"
             for program in warm if r < warmup else chosen:
                 for config in order:
@@ -481,6 +483,38 @@ def _script(program: Program, gpus: int, found: dict, cwd: str, scripts: dict) -
         except (OSError, SyntaxError, ValueError) as err:
             why = str(err)
     return why
+
+
+#: Linux's name for this boot of the machine, new at each start.
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def kernel_cache() -> dict:
+    """Where the programs' runs compile CuPy's kernels: this boot of the
+    machine (None where the system does not name it) and the folder of
+    CuPy's kernel cache (``CUPY_CACHE_DIR``, else CuPy's default). A report
+    of the programs suite records it (:func:`warmed_by`)."""
+    try:
+        with open(_BOOT_ID) as f:
+            boot = f.read().strip() or None
+    except OSError:
+        boot = None
+    folder = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
+    return {"boot": boot, "folder": os.path.abspath(folder)}
+
+
+def warmed_by(report: dict) -> bool:
+    """Whether the run that wrote ``report``, a partial report of the
+    programs suite, left CuPy's kernel cache warm here for every program it
+    had runs left of: it ran in this boot of the machine, with the same
+    cache folder, which is still there. Its warm-ups compiled those
+    programs' kernels into that folder (or, where it went on with a report
+    of its own kind, the warm-ups of the run before did), so a run going on
+    with it needs none: a resumed call on the machine that stopped spends
+    no minutes warming up again. A machine started anew, or a boot the
+    system does not name, needs them."""
+    here = kernel_cache()
+    return here["boot"] is not None and report.get("kernel_cache") == here and os.path.isdir(here["folder"])
 
 
 class _Plan:
