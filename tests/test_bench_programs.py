@@ -229,11 +229,13 @@ def test_a_run_resumed_from_its_partial_report_runs_only_what_it_lacks(tmp_path,
 
 
 def test_a_run_resumed_in_the_boot_that_wrote_its_report_makes_no_warm_ups(tmp_path, monkeypatch, caps):
-    """A partial report records the machine's boot and CuPy's kernel cache
-    folder; a run going on with it in the same boot, with the same folder
-    still there, finds the kernels its warm-ups compiled and makes none,
-    the rounds turning as they would after one. A machine started anew, or
-    a cache folder gone, warms up again."""
+    """A partial report records the machine's boot, CuPy's kernel cache
+    folder and the token of the mark its run left there; a run going on
+    with it in the same boot, with the same folder and the mark still in
+    it, finds the kernels its warm-ups compiled and makes none, the rounds
+    turning as they would after one, and passes the mark on. A machine
+    started anew, another folder, a folder emptied, a relative folder or a
+    boot the system does not name: warm-ups again."""
     from ump.bench import programs
 
     (tmp_path / "cg").mkdir()
@@ -243,36 +245,51 @@ def test_a_run_resumed_in_the_boot_that_wrote_its_report_makes_no_warm_ups(tmp_p
     monkeypatch.setenv("CUPY_CACHE_DIR", str(cache))
     monkeypatch.setattr(programs, "_BOOT_ID", str(boot))
     boot.write_text("boot-1\n")
-    cache.mkdir()
     prog = programs.Program("cg", "cg/cg.py", (), programs._GPU_SECONDS, gpus=0)
     first = _cut_short(tmp_path, caps, prog, 3)
-    assert first["kernel_cache"] == {"boot": "boot-1", "folder": str(cache)}
+    mark = first["kernel_cache"]["mark"]
+    assert first["kernel_cache"] == {"boot": "boot-1", "folder": str(cache), "mark": mark}
+    assert (cache / f"ump-bench-warmed.{mark}").is_file()  # the folder made, the mark left
 
-    def resumed():
+    def resumed(report=first):
         if log.exists():
             log.unlink()
         err = io.StringIO()
-        report = bench._run([], False, ["stock", "auto"], 2, err, caps, {"cupy": str(tmp_path)}, (prog,),
-                            pinned=None, checkpoint=None, short_rounds=4,
-                            kept=programs.kept_runs(first["results"]), resumed=first)
-        per = report["results"]["program cg"]
+        out = bench._run([], False, ["stock", "auto"], 2, err, caps, {"cupy": str(tmp_path)}, (prog,),
+                         pinned=None, checkpoint=None, short_rounds=4,
+                         kept=programs.kept_runs(report["results"]), resumed=report)
+        per = out["results"]["program cg"]
         assert [len(per[c]["round_cpu"]) for c in ("stock", "auto")] == [4, 4]
-        return ["auto" if line.endswith("True 1") else "stock" for line in log.read_text().splitlines()], err.getvalue()
+        ran = ["auto" if line.endswith("True 1") else "stock" for line in log.read_text().splitlines()]
+        return ran, err.getvalue(), out
 
-    ran, said = resumed()  # the rest of round 2, then rounds 3 and 4, in the order of a run with a warm-up
+    ran, said, out = resumed()  # the rest of round 2, then rounds 3 and 4, in the order of a run with a warm-up
     assert ran == ["auto", "auto", "stock", "stock", "auto"]
-    assert "whose kernel cache it warmed: no warm-ups" in said and "warm-up" not in said.replace("warm-ups", "")
+    assert "its run warmed: no warm-ups" in said and "warm-up cg" not in said
     assert "[1/5] round 2/2 cg [auto]" in said and "[5/5] round 4/4 cg [auto]" in said
+    assert out["kernel_cache"] == first["kernel_cache"]  # passed on: a third call skips them too
+    warmed_up = ["stock", "auto", "auto", "stock", "stock", "auto"]
     boot.write_text("boot-2\n")  # the machine started anew
-    ran, said = resumed()
-    assert ran == ["stock", "auto", "auto", "stock", "stock", "auto"] and "[1/6] warm-up cg [stock]" in said
+    ran, said, out = resumed()
+    assert ran == warmed_up and "[1/6] warm-up cg [stock]" in said
+    assert out["kernel_cache"]["mark"] not in (None, mark)  # a new mark for its own warm-ups
     boot.write_text("boot-1\n")
-    cache.rmdir()  # the cache folder gone
-    assert resumed()[0][0] == "stock" and not programs.warmed_by(first)
+    for name in os.listdir(cache):
+        os.unlink(cache / name)  # the folder emptied
+    assert resumed()[0] == warmed_up
+    other = tmp_path / "other_cache"
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(other))  # another folder in the same boot
+    assert resumed()[0] == warmed_up
+    again = {**first, "kernel_cache": resumed()[2]["kernel_cache"]}  # as if a report made there: no warm-ups
+    assert resumed(again)[0] == ["auto", "auto", "stock", "stock", "auto"]
+    monkeypatch.setenv("CUPY_CACHE_DIR", "kernels")  # relative: each program's own working folder
+    relative = {**first, "kernel_cache": resumed()[2]["kernel_cache"]}
+    assert relative["kernel_cache"] == {"boot": "boot-1", "folder": None, "mark": None}
+    assert resumed(relative)[0] == warmed_up
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(other))
     boot.unlink()  # a system that does not name its boot
-    cache.mkdir()
-    assert programs.kernel_cache()["boot"] is None and not programs.warmed_by({**first, "kernel_cache": {
-        "boot": None, "folder": str(cache)}})
+    unnamed = {**first, "kernel_cache": resumed(again)[2]["kernel_cache"]}
+    assert unnamed["kernel_cache"]["boot"] is None and resumed(unnamed)[0] == warmed_up
 
 
 def test_a_resumed_run_judges_a_program_short_by_its_first_rounds_and_keeps_what_cannot_run_here(

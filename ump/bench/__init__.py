@@ -305,7 +305,11 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned
     # when each partial report this run goes on with was written
     earlier = [] if resumed is None else [*resumed.get("resumed", []), str(resumed.get("time", "?"))]
 
-    cache = programs.kernel_cache() if found is not None else None
+    cache, warm = None, False
+    if found is not None:
+        # warm: the partial report went on with was written where CuPy's kernels are compiled already
+        cache, warm = programs.kernel_cache(), resumed is not None and programs.warmed_by(resumed)
+        cache["mark"] = resumed["kernel_cache"]["mark"] if warm else programs.mark_cache(cache)
 
     def report_of(results, skipped_cases):
         extra = ({"short_rounds": short_rounds, "programs": [p.name for p in selected], "kernel_cache": cache}
@@ -344,12 +348,13 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned
     shown.close()
     results = summarised(raw)
     if found is not None:
-        warm = resumed is not None and programs.warmed_by(resumed)
         if kept:
             n = sum(len(e["round_cpu"]) for per in kept.values() for c, e in per.items() if c != "suite")
-            print(f"going on with the partial report written at {earlier[-1]}: its {n} runs kept"
-                  + ("; written in this boot of the machine, whose kernel cache it warmed: no warm-ups"
-                     if warm else ""), file=progress, flush=True)
+            print(f"going on with the partial report written at {earlier[-1]}: its {n} runs kept",
+                  file=progress, flush=True)
+        if warm:
+            print("it was written in this boot of the machine, whose kernel cache its run warmed: no warm-ups",
+                  file=progress, flush=True)
         try:
             ran, not_run = programs.run(
                 [c for c in configs if c != "imported"], rounds, found, short_rounds=short_rounds,

@@ -39,6 +39,7 @@ import importlib.util
 import math
 import os
 import re
+import secrets
 import statistics
 import subprocess
 import sys
@@ -48,7 +49,7 @@ import time
 from .summary import round_pairs, round_ratios, summarised
 
 __all__ = ["PROGRAMS", "SOURCES", "ENV", "CannotResume", "Program", "Source", "command", "docstring_script",
-           "folders", "kept_runs", "kernel_cache", "run", "short_rounds_of", "table", "warmed_by"]
+           "folders", "kept_runs", "kernel_cache", "mark_cache", "run", "short_rounds_of", "table", "warmed_by"]
 
 #: The variable that names the programs' folders (``os.pathsep`` between them).
 ENV = "UMP_BENCH_PROGRAMS"
@@ -488,33 +489,62 @@ def _script(program: Program, gpus: int, found: dict, cwd: str, scripts: dict) -
 #: Linux's name for this boot of the machine, new at each start.
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
+#: The file a run of the programs suite leaves in CuPy's kernel cache
+#: folder, with its token: the cache it warmed is still that folder's.
+_MARK = "ump-bench-warmed."
+
 
 def kernel_cache() -> dict:
     """Where the programs' runs compile CuPy's kernels: this boot of the
     machine (None where the system does not name it) and the folder of
-    CuPy's kernel cache (``CUPY_CACHE_DIR``, else CuPy's default). A report
-    of the programs suite records it (:func:`warmed_by`)."""
+    CuPy's kernel cache (``CUPY_CACHE_DIR``, else CuPy's default; None for
+    a relative or empty ``CUPY_CACHE_DIR``, which each program's own
+    working folder, made for the run, would resolve). A report of the
+    programs suite records it with the token of its mark
+    (:func:`mark_cache`, :func:`warmed_by`)."""
     try:
         with open(_BOOT_ID) as f:
             boot = f.read().strip() or None
     except OSError:
         boot = None
-    folder = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
-    return {"boot": boot, "folder": os.path.abspath(folder)}
+    folder = os.environ.get("CUPY_CACHE_DIR")
+    if folder is None:
+        folder = os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
+    return {"boot": boot, "folder": folder if os.path.isabs(folder) else None}
+
+
+def mark_cache(cache: dict) -> str | None:
+    """Leave a mark with a new token in ``cache``'s folder, which the run's
+    warm-ups are about to fill; the token, or None where there is no
+    folder to mark or it cannot be written."""
+    if cache["folder"] is None:
+        return None
+    token = secrets.token_hex(8)
+    try:
+        os.makedirs(cache["folder"], exist_ok=True)
+        with open(os.path.join(cache["folder"], _MARK + token), "x"):
+            pass
+    except OSError:
+        return None
+    return token
 
 
 def warmed_by(report: dict) -> bool:
     """Whether the run that wrote ``report``, a partial report of the
     programs suite, left CuPy's kernel cache warm here for every program it
     had runs left of: it ran in this boot of the machine, with the same
-    cache folder, which is still there. Its warm-ups compiled those
-    programs' kernels into that folder (or, where it went on with a report
-    of its own kind, the warm-ups of the run before did), so a run going on
-    with it needs none: a resumed call on the machine that stopped spends
-    no minutes warming up again. A machine started anew, or a boot the
-    system does not name, needs them."""
-    here = kernel_cache()
-    return here["boot"] is not None and report.get("kernel_cache") == here and os.path.isdir(here["folder"])
+    cache folder, and its mark is still there (a folder emptied, or another
+    machine's container of the same host, which shares the boot, has
+    none). Its warm-ups compiled those programs' kernels into that folder
+    before it recorded a run (or, where it went on with such a report
+    itself, the warm-ups of the run before did), so a run going on with it
+    needs none: a resumed call on the machine that stopped spends no
+    minutes warming up again."""
+    here, theirs = kernel_cache(), report.get("kernel_cache") or {}
+    mark = theirs.get("mark")
+    return (here["boot"] is not None and here["folder"] is not None and isinstance(mark, str)
+            and theirs.get("boot") == here["boot"] and theirs.get("folder") == here["folder"]
+            and os.path.isfile(os.path.join(here["folder"], _MARK + mark)))
 
 
 class _Plan:
