@@ -14,6 +14,13 @@ from _bench_cli import bench_cli, usage_error
 
 from ump import bench
 
+@pytest.fixture(autouse=True)
+def _kernel_cache(tmp_path, monkeypatch):
+    """A run of the programs suite marks the kernel cache folder it warms
+    (``bench --resume``): the test's own, not the user's."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "kernel_cache"))
+
+
 _FAKE_PROGRAM = """
 import os, sys, time
 with open(os.environ["FAKE_PROGRAM_LOG"], "a") as f:
