@@ -307,8 +307,9 @@ def _run(suites, smoke, configs, rounds, progress, caps, found, selected, pinned
 
     cache, warm = None, False
     if found is not None:
-        # warm: the partial report went on with was written where CuPy's kernels are compiled already
-        cache, warm = programs.kernel_cache(), resumed is not None and programs.warmed_by(resumed)
+        # warm: the partial report this run goes on with was written where CuPy's kernels are compiled already
+        cache = programs.kernel_cache()
+        warm = resumed is not None and programs.warmed_by(resumed, cache)
         cache["mark"] = resumed["kernel_cache"]["mark"] if warm else programs.mark_cache(cache)
 
     def report_of(results, skipped_cases):

@@ -529,9 +529,10 @@ def mark_cache(cache: dict) -> str | None:
     return token
 
 
-def warmed_by(report: dict) -> bool:
+def warmed_by(report: dict, here: dict) -> bool:
     """Whether the run that wrote ``report``, a partial report of the
-    programs suite, left CuPy's kernel cache warm here for every program it
+    programs suite, left CuPy's kernel cache warm ``here`` (this run's
+    :func:`kernel_cache`) for every program it
     had runs left of: it ran in this boot of the machine, with the same
     cache folder, and its mark is still there (a folder emptied, or another
     machine's container of the same host, which shares the boot, has
@@ -540,7 +541,7 @@ def warmed_by(report: dict) -> bool:
     itself, the warm-ups of the run before did), so a run going on with it
     needs none: a resumed call on the machine that stopped spends no
     minutes warming up again."""
-    here, theirs = kernel_cache(), report.get("kernel_cache") or {}
+    theirs = report.get("kernel_cache") or {}
     mark = theirs.get("mark")
     return (here["boot"] is not None and here["folder"] is not None and isinstance(mark, str)
             and theirs.get("boot") == here["boot"] and theirs.get("folder") == here["folder"]
