@@ -341,19 +341,24 @@ def test_a_resumed_run_judges_a_program_short_by_its_first_rounds_and_keeps_what
     assert skipped == {} and results["program gone"]["auto"]["round_cpu"] == [3e6, 3e6]
 
 
-def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path):
-    """A report that is not a partial one of the programs suite, or whose
+def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path, caps):
+    """A report that is not a partial one of the programs suite, whose
     configurations, rounds, short rounds, programs or CPUs differ from
-    this run's, is refused before anything runs, and so is ``--resume``
-    with ``--input``; a run going on with its own partial report keeps it."""
+    this run's, or whose run was on another kind of machine (another GPU,
+    driver or library version; none recorded), is refused before anything
+    runs, and so is ``--resume`` with ``--input``; a run going on with its
+    own partial report keeps it."""
     from ump.bench import programs
 
     entry = {"cpu_times": [1e6], "gpu_times": [], "round_cpu": [1e6], "round_gpu": [None], "returncodes": [0],
              "errors": [], "metrics": {}}
     every = [p.name for p in programs.PROGRAMS]
     report = {"partial": True, "configs": ["stock", "auto"], "rounds": 2, "short_rounds": 4, "time": "t",
-              "programs": every, "cpus": None, "results": {"program cg": {"suite": "programs", "stock": entry}}}
+              "programs": every, "cpus": None, "results": {"program cg": {"suite": "programs", "stock": entry}},
+              "probe": json.loads(json.dumps(caps.as_dict()))}  # as a report holds it
     without_programs = {k: v for k, v in report.items() if k != "programs"}
+    h200 = {"index": 0, "name": "NVIDIA H200", "total_memory": 150109880320}
+    elsewhere = {**caps.as_dict(), "devices": [h200], "driver_version": 1, "cupy_version": "0.0"}
     cases = [
         (report, {"suites": ["programs", "alloc_numpy"]}, "--suites programs alone"),
         ({**report, "partial": False}, {}, "that report is not partial"),
@@ -368,6 +373,11 @@ def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path):
          "lacks the runs' lists"),
         ({**report, "results": {"add 100x100": {"suite": "dispatch"}, **report["results"]}}, {},
          "other suites' cases"),
+        ({k: v for k, v in report.items() if k != "probe"}, {}, "that report does not record the machine"),
+        ({**report, "probe": elsewhere}, {},
+         f"its run was on another kind of machine (cupy_version 0.0, here {caps.cupy_version}; devices NVIDIA "
+         f"H200 (140 GiB), here "),
+        ({**report, "probe": elsewhere}, {}, f"driver_version 1, here {caps.driver_version})"),
     ]
     for resume, args, message in cases:
         kwargs = {"suites": ["programs"], "rounds": 2, "short_rounds": 4, **args}
@@ -383,7 +393,7 @@ def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path):
                          "nothing")
     refused = bench_cli(tmp_path, "--suites", "programs", "--rounds", "2", "--output", str(tmp_path / "out.json"),
                         "--resume", str(partial))  # no folder of programs named: refused, here or on a GPU
-    usage_error(refused)
+    assert "--resume" not in usage_error(refused)  # this machine's report, the JSON's lists and all: it may go on
     assert json.loads(partial.read_text()) == report and "removing" not in refused.stderr
 
 

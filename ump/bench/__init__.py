@@ -174,9 +174,9 @@ def run(suites=None, smoke=False, configs=None, rounds=1, progress=sys.stderr,
         a ``resume`` report this run cannot go on with.
     """
     short_rounds = _rounds_checked(suites, rounds, short_rounds)
-    kept = None if resume is None else _kept(resume, suites, configs or list(PROGRAMS_CONFIGS), rounds, short_rounds,
-                                             only, cpus)
     caps = _probe.probe()
+    kept = None if resume is None else _kept(resume, suites, configs or list(PROGRAMS_CONFIGS), rounds, short_rounds,
+                                             only, cpus, caps.as_dict())
     missing = _gpu_missing(caps)
 
     def config_why_not(name):
@@ -235,17 +235,20 @@ def _rounds_checked(suites, rounds, short_rounds) -> int:
         raise ArgumentError(str(err)) from None
 
 
-def _kept(report: dict, suites, configs, rounds: int, short_rounds: int, only, cpus) -> dict:
+def _kept(report: dict, suites, configs, rounds: int, short_rounds: int, only, cpus, probe: dict) -> dict:
     """The runs of ``report``, a partial report of the programs suite, that
     a run with these arguments goes on with (``bench --resume``): the same
     configurations, rounds, short rounds, programs and CPUs, so that its
-    rounds and their turning order continue where that run stopped.
+    rounds and their turning order continue where that run stopped, on a
+    machine of the same kind: ``probe``, this machine's (GPUs, driver,
+    CUDA, Python and the libraries' versions), as the report's.
 
     Raises
     ------
     ArgumentError
         Other suites than the programs suite; a finished report, or one of
-        another kind of run; arguments that differ from the report's.
+        another kind of run; arguments that differ from the report's; a
+        machine of another kind.
     """
     if suites is None or set(suites) != {PROGRAMS}:
         raise ArgumentError("--resume goes on with a run of the programs suite: --suites programs alone")
@@ -275,7 +278,29 @@ def _kept(report: dict, suites, configs, rounds: int, short_rounds: int, only, c
     if theirs != cpus:
         raise ArgumentError(f"--resume: its run had --cpus {theirs or '(none)'}, this one {cpus or '(none)'}: "
                             f"give the same, as typed")
+    _same_machine_kind(report.get("probe"), probe)
     return kept
+
+
+def _same_machine_kind(theirs: dict | None, ours: dict) -> None:
+    """A resumed run's rounds are pooled with its report's: another guest
+    of the same kind may go on with them, another GPU, driver or library
+    version may not, as its figures are another machine's."""
+    if theirs is None:
+        raise ArgumentError("--resume: that report does not record the machine its run was on: run the programs "
+                            "again without --resume")
+    ours = json.loads(json.dumps(ours))  # as a report holds it: lists, not tuples
+    differ = [key for key in sorted({*theirs, *ours}) if theirs.get(key) != ours.get(key)]
+    if differ:
+        def gpus(probe):
+            return ", ".join(f"{d.get('name')} ({(d.get('total_memory') or 0) / 2**30:.0f} GiB)"
+                             for d in probe.get("devices") or []) or "no GPU"
+
+        shown = "; ".join(f"{key} {_shown(theirs.get(key)) if key != 'devices' else gpus(theirs)}, "
+                          f"here {_shown(ours.get(key)) if key != 'devices' else gpus(ours)}"
+                          for key in differ)
+        raise ArgumentError(f"--resume: its run was on another kind of machine ({shown}): its rounds and this "
+                            f"machine's would be pooled as one; go on where it ran, or run the programs again")
 
 
 def _shown(value) -> str:
