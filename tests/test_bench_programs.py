@@ -357,8 +357,7 @@ def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path, caps):
               "programs": every, "cpus": None, "results": {"program cg": {"suite": "programs", "stock": entry}},
               "probe": json.loads(json.dumps(caps.as_dict()))}  # as a report holds it
     without_programs = {k: v for k, v in report.items() if k != "programs"}
-    h200 = {"index": 0, "name": "NVIDIA H200", "total_memory": 150109880320}
-    elsewhere = {**caps.as_dict(), "devices": [h200], "driver_version": 1, "cupy_version": "0.0"}
+    elsewhere = {**report["probe"], "driver_version": 1, "cupy_version": "0.0"}
     cases = [
         (report, {"suites": ["programs", "alloc_numpy"]}, "--suites programs alone"),
         ({**report, "partial": False}, {}, "that report is not partial"),
@@ -374,10 +373,8 @@ def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path, caps):
         ({**report, "results": {"add 100x100": {"suite": "dispatch"}, **report["results"]}}, {},
          "other suites' cases"),
         ({k: v for k, v in report.items() if k != "probe"}, {}, "that report does not record the machine"),
-        ({**report, "probe": elsewhere}, {},
-         f"its run was on another kind of machine (cupy_version 0.0, here {caps.cupy_version}; devices NVIDIA "
-         f"H200 (140 GiB), here "),
-        ({**report, "probe": elsewhere}, {}, f"driver_version 1, here {caps.driver_version})"),
+        ({**report, "probe": elsewhere}, {}, f"its run was on another kind of machine (cupy_version 0.0, here "
+                                             f"{caps.cupy_version}; driver_version 1, here {caps.driver_version})"),
     ]
     for resume, args, message in cases:
         kwargs = {"suites": ["programs"], "rounds": 2, "short_rounds": 4, **args}
@@ -395,6 +392,27 @@ def test_resume_is_refused_where_its_run_cannot_go_on(tmp_path, caps):
                         "--resume", str(partial))  # no folder of programs named: refused, here or on a GPU
     assert "--resume" not in usage_error(refused)  # this machine's report, the JSON's lists and all: it may go on
     assert json.loads(partial.read_text()) == report and "removing" not in refused.stderr
+
+
+def test_resume_names_what_differs_between_the_two_machines():
+    """The probes are compared as a report holds them (a tuple read back as
+    a list is the same machine); GPUs listed alike are compared field by
+    field and the field named, others by their names; a probe that is not
+    one is refused as none, without a traceback."""
+    h100 = {"index": 0, "name": "NVIDIA H100", "compute_capability": (9, 0), "pageable_memory_access": False}
+    ours = {"gpu": True, "devices": (h100,), "driver_version": 13000}
+    theirs = json.loads(json.dumps(ours))
+    bench._same_machine_kind(theirs, ours)  # the same machine, through JSON
+    hmm = {**theirs, "devices": [{**theirs["devices"][0], "pageable_memory_access": True}]}
+    two = {**theirs, "devices": [{**theirs["devices"][0], "name": "NVIDIA H200"}] * 2, "driver_version": 12080}
+    for probe, message in [
+            (hmm, "(GPU 0 pageable_memory_access True, here False)"),
+            (two, "(GPUs NVIDIA H200, NVIDIA H200, here NVIDIA H100; driver_version 12080, here 13000)"),
+            ({**theirs, "devices": ["garbage"]}, "(GPUs garbage, here NVIDIA H100)"),
+            ({**theirs, "devices": None}, "(GPUs None, here NVIDIA H100)"),
+            ("not a probe", "that report does not record the machine its run was on")]:
+        with pytest.raises(bench.ArgumentError, match=re.escape(message)):
+            bench._same_machine_kind(probe, ours)
 
 
 def test_the_programs_table_says_which_programs_stay_within_the_bound():

@@ -282,25 +282,38 @@ def _kept(report: dict, suites, configs, rounds: int, short_rounds: int, only, c
     return kept
 
 
-def _same_machine_kind(theirs: dict | None, ours: dict) -> None:
+def _same_machine_kind(theirs, ours: dict) -> None:
     """A resumed run's rounds are pooled with its report's: another guest
     of the same kind may go on with them, another GPU, driver or library
     version may not, as its figures are another machine's."""
-    if theirs is None:
+    if not isinstance(theirs, dict):
         raise ArgumentError("--resume: that report does not record the machine its run was on: run the programs "
                             "again without --resume")
     ours = json.loads(json.dumps(ours))  # as a report holds it: lists, not tuples
-    differ = [key for key in sorted({*theirs, *ours}) if theirs.get(key) != ours.get(key)]
+    differ = [f"{key} {_shown(theirs.get(key))}, here {_shown(ours.get(key))}"
+              for key in sorted({*theirs, *ours} - {"devices"}) if theirs.get(key) != ours.get(key)]
+    differ[:0] = _devices_differ(theirs.get("devices"), ours.get("devices") or [])
     if differ:
-        def gpus(probe):
-            return ", ".join(f"{d.get('name')} ({(d.get('total_memory') or 0) / 2**30:.0f} GiB)"
-                             for d in probe.get("devices") or []) or "no GPU"
+        raise ArgumentError(f"--resume: its run was on another kind of machine ({'; '.join(differ)}): its rounds "
+                            f"and this machine's would be pooled as one; go on where it ran, or run the programs "
+                            f"again")
 
-        shown = "; ".join(f"{key} {_shown(theirs.get(key)) if key != 'devices' else gpus(theirs)}, "
-                          f"here {_shown(ours.get(key)) if key != 'devices' else gpus(ours)}"
-                          for key in differ)
-        raise ArgumentError(f"--resume: its run was on another kind of machine ({shown}): its rounds and this "
-                            f"machine's would be pooled as one; go on where it ran, or run the programs again")
+
+def _devices_differ(theirs, ours: list) -> list:
+    """What differs between two probes' GPUs, said field by field where
+    both list as many; by their names otherwise."""
+    if theirs == ours:
+        return []
+    if isinstance(theirs, list) and len(theirs) == len(ours) and all(isinstance(d, dict) for d in theirs):
+        return [f"GPU {i} {key} {_shown(a.get(key))}, here {_shown(b.get(key))}"
+                for i, (a, b) in enumerate(zip(theirs, ours)) for key in sorted({*a, *b}) if a.get(key) != b.get(key)]
+
+    def names(devices):
+        if not isinstance(devices, list):
+            return str(devices)
+        return ", ".join(str(d.get("name") if isinstance(d, dict) else d) for d in devices) or "no GPU"
+
+    return [f"GPUs {names(theirs)}, here {names(ours)}"]
 
 
 def _shown(value) -> str:
