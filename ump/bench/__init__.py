@@ -290,9 +290,8 @@ def _same_machine_kind(theirs, ours: dict) -> None:
         raise ArgumentError("--resume: that report does not record the machine its run was on: run the programs "
                             "again without --resume")
     ours = json.loads(json.dumps(ours))  # as a report holds it: lists, not tuples
-    differ = [f"{key} {_shown(theirs.get(key))}, here {_shown(ours.get(key))}"
-              for key in sorted({*theirs, *ours} - {"devices"}) if theirs.get(key) != ours.get(key)]
-    differ[:0] = _devices_differ(theirs.get("devices"), ours.get("devices") or [])
+    differ = [*_devices_differ(theirs.get("devices"), ours.get("devices") or []),
+              *_fields_differ(theirs, ours, skip={"devices"})]
     if differ:
         raise ArgumentError(f"--resume: its run was on another kind of machine ({'; '.join(differ)}): its rounds "
                             f"and this machine's would be pooled as one; go on where it ran, or run the programs "
@@ -305,8 +304,7 @@ def _devices_differ(theirs, ours: list) -> list:
     if theirs == ours:
         return []
     if isinstance(theirs, list) and len(theirs) == len(ours) and all(isinstance(d, dict) for d in theirs):
-        return [f"GPU {i} {key} {_shown(a.get(key))}, here {_shown(b.get(key))}"
-                for i, (a, b) in enumerate(zip(theirs, ours)) for key in sorted({*a, *b}) if a.get(key) != b.get(key)]
+        return [line for i, (a, b) in enumerate(zip(theirs, ours)) for line in _fields_differ(a, b, f"GPU {i} ")]
 
     def names(devices):
         if not isinstance(devices, list):
@@ -314,6 +312,13 @@ def _devices_differ(theirs, ours: list) -> list:
         return ", ".join(str(d.get("name") if isinstance(d, dict) else d) for d in devices) or "no GPU"
 
     return [f"GPUs {names(theirs)}, here {names(ours)}"]
+
+
+def _fields_differ(theirs: dict, ours: dict, label: str = "", skip=frozenset()) -> list:
+    """Each field of two mappings whose values differ, said as "field
+    theirs, here ours" after ``label``; the fields in ``skip`` left out."""
+    return [f"{label}{key} {_shown(theirs.get(key))}, here {_shown(ours.get(key))}"
+            for key in sorted({*theirs, *ours} - set(skip)) if theirs.get(key) != ours.get(key)]
 
 
 def _shown(value) -> str:
