@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -124,3 +127,26 @@ def test_output_to_a_closed_pipe_stops_quietly(tmp_path, args):
     finally:
         os.close(write)
     assert run.returncode == 1 and "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr, run.stderr
+
+
+def test_a_stopped_bench_run_names_its_partial_report_without_a_traceback(tmp_path):
+    """``timeout -s INT N python -m ump bench ...`` (or Ctrl-C) cuts a long
+    run short for ``--resume``: the command ends with status 130, says where
+    what had finished is, and prints no traceback."""
+    out, partial = tmp_path / "b.json", tmp_path / "b.partial.json"
+    bench = subprocess.Popen([sys.executable, "-m", "ump", "bench", "--smoke", "--suites", "alloc_numpy",
+                              "--configs", "stock", "--rounds", "1000", "--output", str(out), "--plot", ""],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not partial.exists() and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert partial.exists(), "no round finished within a minute"
+        bench.send_signal(signal.SIGINT)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        bench.kill()
+    assert bench.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert f"what had finished is in {partial}" in err and err.rstrip().endswith("bench: stopped")
+    assert json.loads(partial.read_text())["partial"] is True and not out.exists()

@@ -253,6 +253,11 @@ def _bench(parser, args) -> int:
         return bench_mod.main(args)
     except bench_mod.ArgumentError as err:
         parser.error(str(err))
+    except KeyboardInterrupt:
+        # Stopping a run (Ctrl-C, `timeout -s INT`) is how a long one is cut
+        # short for --resume: the partial report is already named above.
+        print("bench: stopped", file=sys.stderr)
+        return 130
 
 
 def _at_least_one(text: str) -> int:
