@@ -255,7 +255,8 @@ def _bench(parser, args) -> int:
         parser.error(str(err))
     except KeyboardInterrupt:
         # Stopping a run (Ctrl-C, `timeout -s INT`) is how a long one is cut
-        # short for --resume: the partial report is already named above.
+        # short for --resume: bench.main has named the partial report, if
+        # a run had finished to write one.
         print("bench: stopped", file=sys.stderr)
         return 130
 
