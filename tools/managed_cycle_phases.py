@@ -73,11 +73,13 @@ def main(repeats: int, cpu: int, advice: str) -> None:
     _advise(ptr, _ADVICE[advice])
     host[:] = 1.0
 
-    def timed(call) -> float:
+    def clock(call) -> float:
         start = time.perf_counter()
         call()
-        stream.synchronize()
         return (time.perf_counter() - start) * 1e3
+
+    def timed(call) -> float:
+        return clock(lambda: (call(), stream.synchronize()))
 
     def kernels():
         with stream:
@@ -90,20 +92,15 @@ def main(repeats: int, cpu: int, advice: str) -> None:
         for rep in range(repeats):
             host[::1024] = 1.0
             steal0, sched0 = _steal(cpu), _sched()
-            start = time.perf_counter()
-            if advice == "drop":
-                _advise(ptr, _ADVICE[advice], unset=True)
-            advised = (time.perf_counter() - start) * 1e3
+            advised = clock(lambda: _advise(ptr, _ADVICE[advice], unset=True)) if advice == "drop" else 0.0
             there = timed(lambda: _core.prefetch(ptr, GiB, 0, stream.ptr))
             work = timed(kernels)
             back = timed(lambda: _core.prefetch(ptr, GiB, -1, stream.ptr))
-            start = time.perf_counter()
-            ok = float(host[::1024].sum()) == 1024.0 * (N // 1024)
-            read = (time.perf_counter() - start) * 1e3
+            total = []
+            read = clock(lambda: total.append(float(host[::1024].sum())))
+            ok = total[0] == 1024.0 * (N // 1024)
             if advice == "drop":
-                start = time.perf_counter()
-                _advise(ptr, _ADVICE[advice])
-                advised += (time.perf_counter() - start) * 1e3
+                advised += clock(lambda: _advise(ptr, _ADVICE[advice]))
             steal1, sched1 = _steal(cpu), _sched()
             dma = timed(lambda: rt.memcpyAsync(pinned.ptr, device.data.ptr, GiB, rt.memcpyDefault, stream.ptr))
             mine = "-" if steal0[1] is None else steal1[1] - steal0[1]
