@@ -63,6 +63,10 @@ def test_elf_symbol_finds_a_private_variable():
                 ctypes.c_uint64.from_address(base + offset + 24 * i + 16).value)
                for i in range(_core.MAX_ARENAS)]
     assert (_core.KIND_IDS["host"], -1, cap) in entries
+    # A suffix inside the name finds the same symbol; a name that only
+    # begins with the suffix's start, or a suffix longer than any name, none.
+    assert _cupy_compat._elf_symbol(_ucore.__file__, b"udgets") == found
+    assert _cupy_compat._elf_symbol(_ucore.__file__, b"budget") is None
     assert _cupy_compat._elf_symbol(_ucore.__file__, b"no_such_symbol_in_ump") is None
 
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import inspect
+import mmap
 import os
 import struct
 import sys
 import threading
+
+import numpy
 
 from ._errors import OutOfMemoryError, UmpError
 
@@ -145,26 +148,61 @@ def _clear_flag(module, symbol: bytes) -> None:
 
 
 def _elf_symbol(path: str, suffix: bytes) -> tuple[int, int] | None:
-    """(value, size) of the symbol whose name ends with ``suffix`` (names are
-    C++-mangled, ``_ZL<n>`` + the Cython name), or None."""
+    """(value, size) of the first symbol whose name ends with ``suffix``
+    (names are C++-mangled, ``_ZL<n>`` + the Cython name), or None.
+
+    CuPy's core module holds tens of thousands of symbols: the names that end
+    with ``suffix`` are found in the string table, then the first symbol
+    naming one of them in one pass over the table as an array, with no
+    Python loop over the symbols. A name may start inside a longer string
+    (linkers share tails), so a symbol whose name offset falls anywhere in
+    such a string up to the suffix counts."""
     with open(path, "rb") as f:
-        data = f.read()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # 64-bit little-endian
-        return None
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
-        if kind != 2 or not entsize:  # SHT_SYMTAB
-            continue
-        strtab = sections[link][4]
-        for at in range(offset, offset + size, entsize):
-            name, _, _, _, value, sym_size = struct.unpack_from("<IBBHQQ", data, at)
-            start = strtab + name
-            end = data.find(b"\0", start)
-            if data[start:end].endswith(suffix):
-                return value, sym_size
+        try:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file
+            return None
+    with data:
+        if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # 64-bit little-endian
+            return None
+        shoff, = struct.unpack_from("<Q", data, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+        for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
+            if kind != 2 or entsize != _SYM.itemsize:  # SHT_SYMTAB of Elf64_Sym
+                continue
+            names = _names_ending(data, sections[link][4], sections[link][5], suffix)
+            if not names:
+                continue
+            symbols = numpy.frombuffer(data, _SYM, size // entsize, offset)
+            at = symbols["name"]
+            hit = numpy.zeros(len(at), bool)
+            for first, last in names:
+                hit |= (at >= first) & (at <= last)
+            index = int(hit.argmax()) if hit.any() else None
+            found = None if index is None else (int(symbols["value"][index]), int(symbols["size"][index]))
+            del symbols, at  # before the mapping closes: they view it
+            if found is not None:
+                return found
     return None
+
+
+# Elf64_Sym: st_name, st_info, st_other, st_shndx, st_value, st_size
+_SYM = numpy.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"),
+                    ("size", "<u8")])
+
+
+def _names_ending(data, start: int, size: int, suffix: bytes) -> list[tuple[int, int]]:
+    """For each string of the string table at ``start`` that ends with
+    ``suffix``: the first and the last name offset whose name ends with it
+    (the string's start, the suffix's)."""
+    found, end = [], start + size
+    at = data.find(suffix + b"\0", start, end)
+    while at >= 0:
+        first = max(data.rfind(b"\0", start, at) + 1, start)
+        found.append((first - start, at - start))
+        at = data.find(suffix + b"\0", at + 1, end)
+    return found
 
 
 class _DlInfo(ctypes.Structure):
