@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import struct
 import threading
 
 import numpy as np
@@ -63,11 +64,38 @@ def test_elf_symbol_finds_a_private_variable():
                 ctypes.c_uint64.from_address(base + offset + 24 * i + 16).value)
                for i in range(_core.MAX_ARENAS)]
     assert (_core.KIND_IDS["host"], -1, cap) in entries
-    # A suffix inside the name finds the same symbol; a name that only
-    # begins with the suffix's start, or a suffix longer than any name, none.
+    # A shorter tail of the name finds the same symbol; the name's head, none.
     assert _cupy_compat._elf_symbol(_ucore.__file__, b"udgets") == found
     assert _cupy_compat._elf_symbol(_ucore.__file__, b"budget") is None
     assert _cupy_compat._elf_symbol(_ucore.__file__, b"no_such_symbol_in_ump") is None
+
+
+def _symbols_in_order(path):
+    """(name, value, size) of every symbol of the ELF file's symbol tables,
+    in table order, unpacked one by one: what the lookup must agree with."""
+    with open(path, "rb") as f:
+        data = f.read()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind == 2:  # SHT_SYMTAB
+            strtab = sections[link][4]
+            for at in range(offset, offset + size, entsize):
+                name, _, _, _, value, sym_size = struct.unpack_from("<IBBHQQ", data, at)
+                yield data[strtab + name:data.index(b"\0", strtab + name)], value, sym_size
+
+
+def test_elf_symbol_finds_the_first_symbol_ending_with_each_tail():
+    """Every name of ump's extension, whole and its second half: the first
+    symbol in table order whose name ends with it, as a one-by-one scan
+    finds it. Linkers store a name inside a longer one that ends the same
+    (csrc/module.c's `kinds` inside `view_kinds`), so the tails test that."""
+    symbols = [s for s in _symbols_in_order(_ucore.__file__) if s[0]]
+    assert len(symbols) > 100
+    for tail in {t for name, _, _ in symbols for t in (name, name[len(name) // 2:])}:
+        first = next((value, size) for name, value, size in symbols if name.endswith(tail))
+        assert _cupy_compat._elf_symbol(_ucore.__file__, tail) == first, tail
 
 
 def test_patches_restore_what_was_there():

@@ -73,13 +73,14 @@ def main(repeats: int, cpu: int, advice: str) -> None:
     _advise(ptr, _ADVICE[advice])
     host[:] = 1.0
 
-    def clock(call) -> float:
+    def clock(call):
+        """(ms, what ``call`` returned)."""
         start = time.perf_counter()
-        call()
-        return (time.perf_counter() - start) * 1e3
+        result = call()
+        return (time.perf_counter() - start) * 1e3, result
 
     def timed(call) -> float:
-        return clock(lambda: (call(), stream.synchronize()))
+        return clock(lambda: (call(), stream.synchronize()))[0]
 
     def kernels():
         with stream:
@@ -92,15 +93,14 @@ def main(repeats: int, cpu: int, advice: str) -> None:
         for rep in range(repeats):
             host[::1024] = 1.0
             steal0, sched0 = _steal(cpu), _sched()
-            advised = clock(lambda: _advise(ptr, _ADVICE[advice], unset=True)) if advice == "drop" else 0.0
+            advised = clock(lambda: _advise(ptr, _ADVICE[advice], unset=True))[0] if advice == "drop" else 0.0
             there = timed(lambda: _core.prefetch(ptr, GiB, 0, stream.ptr))
             work = timed(kernels)
             back = timed(lambda: _core.prefetch(ptr, GiB, -1, stream.ptr))
-            total = []
-            read = clock(lambda: total.append(float(host[::1024].sum())))
-            ok = total[0] == 1024.0 * (N // 1024)
+            read, total = clock(lambda: float(host[::1024].sum()))
+            ok = total == 1024.0 * (N // 1024)
             if advice == "drop":
-                advised += clock(lambda: _advise(ptr, _ADVICE[advice]))
+                advised += clock(lambda: _advise(ptr, _ADVICE[advice]))[0]
             steal1, sched1 = _steal(cpu), _sched()
             dma = timed(lambda: rt.memcpyAsync(pinned.ptr, device.data.ptr, GiB, rt.memcpyDefault, stream.ptr))
             mine = "-" if steal0[1] is None else steal1[1] - steal0[1]

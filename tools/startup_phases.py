@@ -2,23 +2,27 @@
 
     python tools/startup_phases.py PAIRS SCRIPT [SCRIPT ...]
 
-For each script, one process of each way first (the kernel cache, the page
-cache), then PAIRS rounds of one process of each way, the order turned
-every round. Each process stamps its start, CuPy's import, CUDA's start
-(``cupy.cuda.runtime.memGetInfo()``), ump's start, the script's end and its
-last ``atexit`` handler; the parent stamps the launch and the exit. Prints
-each phase's median in ms, per script and way.
+For each script, one process of each way first, not counted (it fills the
+kernel cache and the page cache), then PAIRS rounds of one process of each
+way, the order turned every round. Each process stamps its start, CuPy's
+import, CUDA's start (``cupy.cuda.runtime.memGetInfo()``), ump's start,
+the script's end and its last ``atexit`` handler; the parent stamps the
+launch and the exit. Prints each phase's median in ms, per script and way:
+``launch`` (to the child's first line, this tool's own imports included,
+the same for every way), ``cupy``, ``cuda``, ``ump``, ``program`` (the
+script), ``atexit`` (the other handlers and the joins of the script's
+threads), ``exit`` (from the last handler until the parent sees the
+process end) and ``total``.
 
 The ways (``UMP_STARTUP_WAYS``, comma-separated; ``stock,ump`` unless set):
-``stock`` never imports ump; ``ump`` starts it as ``python -m ump run``
-does (:func:`ump._launch.start`, ``auto``); ``before`` does the same with
-the ``ump`` package found under the folder ``UMP_STARTUP_BEFORE`` names (an
-older checkout, its C extension built), for timing a change against the
-code before it. Every way imports CuPy and starts CUDA before ump, the ump
-ways with ``CUPY_ENABLE_UMP=1`` set: a program that imports CuPy before
-``ump.enable()``. ump's own start is then its own phase, apart from the
-imports and the initialisation that stock pays in its program
-(docs/performance.md, run 34).
+``stock`` never imports ump; ``ump`` calls :func:`ump._launch.start`
+(``auto``), what ``python -m ump run`` calls, but after CuPy was imported
+with ``CUPY_ENABLE_UMP=1`` set, as in a program that imports CuPy before
+``ump.enable()``; ``before`` does the same with the ``ump`` package found
+under the folder ``UMP_STARTUP_BEFORE`` names (an older checkout, its C
+extension built), to time a change against the code before it. CuPy's
+import and CUDA's start are phases of their own for every way, so ump's
+start is timed apart from them (docs/performance.md, run 34).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import subprocess
 import sys
 import time
 
-PHASES = ("launch", "cupy", "cuda", "ump", "program", "exit", "total")
+PHASES = ("launch", "cupy", "cuda", "ump", "program", "atexit", "exit", "total")
+WAYS = ("stock", "ump", "before")
 
 
 def child(way: str, script: str) -> None:
@@ -51,8 +56,11 @@ def child(way: str, script: str) -> None:
         t["ump"] = time.time()
         t["where"] = sys.modules["ump"].__file__
     sys.argv = [script]
-    runpy.run_path(script, run_name="__main__")
-    t["program"] = time.time()
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:  # sys.exit() in the script too
+        t["program"] = time.time()
 
 
 def _env(way: str) -> dict:
@@ -64,7 +72,7 @@ def _env(way: str) -> dict:
         before = os.environ.get("UMP_STARTUP_BEFORE")
         if not before:
             sys.exit("the way `before` needs UMP_STARTUP_BEFORE: a folder holding the older ump package")
-        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(before), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(before), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -72,8 +80,8 @@ def _phases(stamps: dict, launched: float, ended: float) -> dict:
     cupy, cuda = stamps["cupy"], stamps["cuda"]
     ump = stamps.get("ump", cuda)
     return {"launch": stamps["start"] - launched, "cupy": cupy - stamps["start"], "cuda": cuda - cupy,
-            "ump": ump - cuda, "program": stamps["program"] - ump, "exit": ended - stamps["atexit"],
-            "total": ended - launched}
+            "ump": ump - cuda, "program": stamps["program"] - ump, "atexit": stamps["atexit"] - stamps["program"],
+            "exit": ended - stamps["atexit"], "total": ended - launched}
 
 
 def parent(pairs: int, scripts: list[str], ways: tuple[str, ...]) -> None:
@@ -103,6 +111,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[1] == "child":
         child(sys.argv[2], sys.argv[3])
     elif len(sys.argv) > 2:
-        parent(int(sys.argv[1]), sys.argv[2:], tuple(os.environ.get("UMP_STARTUP_WAYS", "stock,ump").split(",")))
+        ways = tuple(os.environ.get("UMP_STARTUP_WAYS", "stock,ump").split(","))
+        if set(ways) - set(WAYS):
+            sys.exit(f"UMP_STARTUP_WAYS: {', '.join(sorted(set(ways) - set(WAYS)))} is not one of {', '.join(WAYS)}")
+        parent(int(sys.argv[1]), sys.argv[2:], ways)
     else:
         sys.exit(__doc__)

@@ -147,16 +147,18 @@ def _clear_flag(module, symbol: bytes) -> None:
     flag.value = 0
 
 
+# Elf64_Sym: st_name, st_info, st_other, st_shndx, st_value, st_size
+_ELF64_SYM = numpy.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+                          ("value", "<u8"), ("size", "<u8")])
+
+
 def _elf_symbol(path: str, suffix: bytes) -> tuple[int, int] | None:
     """(value, size) of the first symbol whose name ends with ``suffix``
     (names are C++-mangled, ``_ZL<n>`` + the Cython name), or None.
 
-    CuPy's core module holds tens of thousands of symbols: the names that end
-    with ``suffix`` are found in the string table, then the first symbol
-    naming one of them in one pass over the table as an array, with no
-    Python loop over the symbols. A name may start inside a longer string
-    (linkers share tails), so a symbol whose name offset falls anywhere in
-    such a string up to the suffix counts."""
+    CuPy's core module holds tens of thousands of symbols, too many to
+    unpack one by one in Python at every start: the names are matched in
+    the string table, the symbols as one array."""
     with open(path, "rb") as f:
         try:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -169,40 +171,34 @@ def _elf_symbol(path: str, suffix: bytes) -> tuple[int, int] | None:
         shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
         sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
         for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
-            if kind != 2 or entsize != _SYM.itemsize:  # SHT_SYMTAB of Elf64_Sym
+            if kind != 2 or entsize != _ELF64_SYM.itemsize:  # SHT_SYMTAB
                 continue
-            names = _names_ending(data, sections[link][4], sections[link][5], suffix)
-            if not names:
+            spans = _name_spans_ending(data, sections[link][4], sections[link][5], suffix)
+            if not spans:
                 continue
-            symbols = numpy.frombuffer(data, _SYM, size // entsize, offset)
-            at = symbols["name"]
-            hit = numpy.zeros(len(at), bool)
-            for first, last in names:
-                hit |= (at >= first) & (at <= last)
-            index = int(hit.argmax()) if hit.any() else None
-            found = None if index is None else (int(symbols["value"][index]), int(symbols["size"][index]))
-            del symbols, at  # before the mapping closes: they view it
-            if found is not None:
-                return found
+            # A copy, not a view: the mapping closes whatever happens here.
+            symbols = numpy.frombuffer(data[offset:offset + size - size % entsize], _ELF64_SYM)
+            firsts, lasts = numpy.array(spans, numpy.int64).T
+            names = symbols["name"].astype(numpy.int64)
+            span = numpy.searchsorted(firsts, names, "right") - 1
+            hit = (span >= 0) & (names <= lasts[span.clip(0)])
+            if hit.any():
+                index = int(hit.argmax())
+                return int(symbols["value"][index]), int(symbols["size"][index])
     return None
 
 
-# Elf64_Sym: st_name, st_info, st_other, st_shndx, st_value, st_size
-_SYM = numpy.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"),
-                    ("size", "<u8")])
-
-
-def _names_ending(data, start: int, size: int, suffix: bytes) -> list[tuple[int, int]]:
-    """For each string of the string table at ``start`` that ends with
-    ``suffix``: the first and the last name offset whose name ends with it
-    (the string's start, the suffix's)."""
-    found, end = [], start + size
+def _name_spans_ending(data, start: int, size: int, suffix: bytes) -> list[tuple[int, int]]:
+    """The name offsets, as (first, last) per string, whose names end with
+    ``suffix`` in the string table at ``start``: linkers share tails, so a
+    symbol's name may begin anywhere in a longer string up to the suffix."""
+    spans, end = [], start + size
     at = data.find(suffix + b"\0", start, end)
     while at >= 0:
         first = max(data.rfind(b"\0", start, at) + 1, start)
-        found.append((first - start, at - start))
+        spans.append((first - start, at - start))
         at = data.find(suffix + b"\0", at + 1, end)
-    return found
+    return spans
 
 
 class _DlInfo(ctypes.Structure):
