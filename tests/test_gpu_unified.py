@@ -757,8 +757,7 @@ def _range_attribute(ptr: int, size: int, name: str) -> int:
 def _results_loop(cupy, n, lives, seen=None):
     """`lives` times: CuPy makes n float32, the host reads all of it. The
     last array, its block (base, size), and whether each life ended with the
-    block host-mapped; ``seen`` gets a copy of the block's state after each
-    export (the waits the rule decided on)."""
+    block host-mapped; ``seen`` gets a copy of its state after each export."""
     placement = ump._enable.current().cupy.placement
     mapped, g = [], None
     for _ in range(lives):
@@ -800,11 +799,12 @@ def test_placement_auto_maps_a_result_the_host_reads_whole_in_host_memory(gpu_ca
     seen = []
     g, (base, size), mapped = _results_loop(cupy, n, 6, seen)
     del g
+    assert mapped[:2] == [False, True], (mapped, seen)  # host-mapped at the second export
     slow = [2 * state.last_wait >= seen[1].trial_wait for state in seen]  # of lives 2 on
     pairs = [k for k in range(3, len(seen)) if slow[k - 1] and slow[k]]  # two slow lives in a row
     back = pairs[0] if pairs else len(mapped)  # where the rule sends it back to the GPU for good
-    assert mapped == [False] + [True] * (back - 1) + [False] * (len(mapped) - back), (mapped, seen)
-    assert back == len(mapped) or seen[back].retired, (mapped, seen)
+    assert mapped == [False] + [True] * (back - 1) + [False] * (len(mapped) - back) and (
+        back == len(mapped) or seen[back].retired), (mapped, seen)
     if back == len(mapped):  # the faster lives kept it there
         assert _range_attribute(base, size, "PreferredLocation") == -1  # host, in the driver's view
         assert cupy.cuda.get_allocator() == hook.allocator.watched_malloc
