@@ -14,8 +14,9 @@ script), ``atexit`` (the other handlers and the joins of the script's
 threads), ``exit`` (from the last handler until the parent sees the
 process end) and ``total``.
 
-The ways (``UMP_STARTUP_WAYS``, comma-separated; ``stock,ump`` unless set):
-``stock`` never imports ump; ``ump`` calls :func:`ump._launch.start`
+The ways (``UMP_STARTUP_WAYS``, comma-separated; ``stock,ump`` unless set),
+each started without the caller's ump settings (``UMP_*``,
+``CUPY_ENABLE_UMP``): ``stock`` never imports ump; ``ump`` calls :func:`ump._launch.start`
 (``auto``), what ``python -m ump run`` calls, but after CuPy was imported
 with ``CUPY_ENABLE_UMP=1`` set, as in a program that imports CuPy before
 ``ump.enable()``; ``before`` does the same with the ``ump`` package found
@@ -64,15 +65,20 @@ def child(way: str, script: str) -> None:
 
 
 def _env(way: str) -> dict:
-    env = dict(os.environ)
-    env.pop("CUPY_ENABLE_UMP", None)  # stock CuPy with it set takes its own UMP path
+    """The caller's environment without ump's settings, as the bench's
+    configurations start (a ``UMP_BACKEND`` left in the shell would turn
+    ``auto`` into another backend; stock CuPy with ``CUPY_ENABLE_UMP`` set
+    takes its own UMP path), then the way's own."""
+    from ump.bench.programs import without_ump_settings
+
+    env = without_ump_settings()
     if way != "stock":
         env["CUPY_ENABLE_UMP"] = "1"
     if way == "before":
         before = os.environ.get("UMP_STARTUP_BEFORE")
         if not before:
             sys.exit("the way `before` needs UMP_STARTUP_BEFORE: a folder holding the older ump package")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(before), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(before), env.get("PYTHONPATH")]))
     return env
 
 
