@@ -657,28 +657,6 @@ def test_placement_auto_leaves_a_single_pass_on_the_host(gpu_caps):
     assert (base, size) not in placement.pending
 
 
-def test_placement_auto_moves_an_upload_at_the_next_allocation(gpu_caps):
-    """``g = cupy.asarray(a); del a``: only CuPy's view holds the NumPy
-    array, and the next kernel's output allocation moves the block to the
-    GPU, before any wait; the export brings it back at the same address."""
-    require_backend(gpu_caps, "managed")
-    ump.enable("managed", cap=4 << 30)
-    import cupy
-
-    placement = ump._enable.current().cupy.placement
-    a = np.ones(16 << 20, dtype=np.float32)
-    addr = a.ctypes.data
-    _, base, size = ump._core.lookup(addr)
-    g = cupy.asarray(a)
-    del a
-    assert placement.state(base, size).on_gpu is None
-    y = g * 2
-    assert placement.state(base, size).on_gpu == 0 and placement.state(base, size).synced
-    assert float(y[-1]) == 2.0 and float(y.sum()) == 2.0 * y.size
-    back = cupy.asnumpy(g)
-    assert back.ctypes.data == addr and back[-1] == 1.0 and placement.state(base, size).on_gpu is None
-
-
 def test_placement_auto_sends_a_result_the_host_read_back_to_the_gpu(gpu_caps):
     """CuPy's example finance/black_scholes: arrays CuPy made, read by NumPy
     through ``get()``, then read by kernels again. The next CuPy allocation

@@ -804,71 +804,6 @@ def test_moves_between_reads_need_auto_room_and_no_capture(moves):
     assert moves == [(GiB, 0)]
 
 
-class FakeWatch:
-    """The switch on CuPy's allocations the hook gives the policy."""
-
-    def __init__(self):
-        self.on = False
-
-    def __call__(self, on: bool) -> bool:
-        self.on = on
-        return on
-
-
-def _watched_policy(cupy):
-    watch = FakeWatch()
-    options = types.SimpleNamespace(placement="auto", prefetch_min=2 * MiB)
-    return _placement.Placement(cupy, options, headroom=GiB, watch=watch), watch
-
-
-def test_an_upload_only_cupy_holds_moves_at_the_next_allocation(moves):
-    """``x = cupy.asarray(x)``: the program let go of the NumPy array; the
-    next kernel's output allocation moves it, before any wait."""
-    import numpy
-
-    cupy = FakeCupy()
-    policy, watch = _watched_policy(cupy)
-    lease = FakeLease(numpy.ones(4))
-    policy.on_handoff("managed", BASE, GiB, lease)
-    assert watch.on and moves == []
-    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
-    assert moves == [(GiB, 0)] and policy.state(BASE, GiB).synced
-    assert not policy.uploads and not watch.on  # nothing more to ask
-
-
-def _upload_the_program_holds():
-    """A NumPy array the program still holds, handed to CuPy: (the policy,
-    its watch, the array, its lease)."""
-    import numpy
-
-    policy, watch = _watched_policy(FakeCupy())
-    held = numpy.ones(4)
-    lease = FakeLease(held)
-    policy.on_handoff("managed", BASE, GiB, lease)
-    return policy, watch, held, lease
-
-
-def test_an_array_the_program_holds_is_asked_about_a_few_allocations_only(moves):
-    policy, watch, held, lease = _upload_the_program_holds()
-    for _ in range(_placement.HOLD_CHECKS):
-        policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
-    assert moves == [] and not policy.uploads and not watch.on
-    assert (BASE, GiB) in policy.pending  # the waits still decide
-    del held
-    policy.on_handoff("managed", BASE, GiB, lease)  # handed over again: asked again
-    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
-    assert moves == [(GiB, 0)]
-
-
-def test_an_upload_the_program_lets_go_of_later_moves_then(moves):
-    policy, watch, held, lease = _upload_the_program_holds()
-    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
-    assert moves == []
-    del held
-    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)
-    assert moves == [(GiB, 0)]
-
-
 def test_a_result_read_once_goes_back_to_its_gpu_at_the_next_allocation(moves, advice):
     """Black-Scholes' shape: CuPy makes arrays, the host reads them through
     an export, then kernels read them again: one prefetch back instead of a
@@ -911,23 +846,6 @@ def test_a_block_whose_move_paid_moves_at_its_next_hand_off(moves):
         _sync(policy, cupy, 1.0)
 
 
-def test_an_upload_whose_work_did_not_pay_is_weighed_in_full_next_time(moves):
-    """A program loading one array after another into the same memory, one
-    pass each: the first upload moves, its work does not pay for the way
-    back its memory takes (NumPy's next writes fault it back), so later
-    uploads of that block stay on the host."""
-    cupy = FakeCupy()
-    policy, watch = _watched_policy(cupy)
-    for step in range(3):
-        lease = FakeLease(numpy.ones(4))  # numpy.load(f): only CuPy holds it
-        policy.on_handoff("managed", BASE, GiB, lease)
-        policy.on_cupy_malloc(BASE + 2 * GiB, MiB)  # the pass's output
-        _sync(policy, cupy, 0.026)  # one pass, read as a scalar
-        del lease
-    assert moves == [(GiB, 0)]  # the first upload only
-    assert not policy.state(BASE, GiB).eager and not policy.state(BASE, GiB).heavy
-
-
 def test_waits_of_several_threads_at_once_count_once():
     cupy = FakeCupy()
     policy = _policy(cupy)
@@ -936,20 +854,6 @@ def test_waits_of_several_threads_at_once_count_once():
     policy.on_sync(0, 0.02, ended=10.03)  # inside both
     policy.on_sync(1, 0.10, ended=10.05)  # another device's
     assert policy.waits[0] == pytest.approx(0.15) and policy.waits[1] == pytest.approx(0.10)
-
-
-def test_a_move_that_fails_leaves_the_wait_and_the_allocation_alone(monkeypatch):
-    def refuse(*args):
-        raise _placement.UmpError("prefetching", "CUDA_ERROR_INVALID_VALUE")
-
-    monkeypatch.setattr(_placement._core, "prefetch", refuse)
-    cupy = FakeCupy()
-    policy, watch = _watched_policy(cupy)
-    lease = FakeLease(numpy.ones(4))
-    policy.on_handoff("managed", BASE, GiB, lease)
-    policy.on_cupy_malloc(BASE + 2 * GiB, MiB)  # the upload's move fails: no exception
-    _sync(policy, cupy, 5.0)
-    assert policy.state(BASE, GiB).on_gpu is None
 
 
 class _Lease:
@@ -998,3 +902,4 @@ def test_a_heavy_block_handed_over_again_without_an_export_is_judged_by_the_wait
     policy.on_handoff("managed", BASE, GiB, lease)  # judged here: host-resident again
     assert moves == [(GiB, 0)] * 5 and not policy.state(BASE, GiB).heavy
     assert (BASE, GiB) in policy.pending
+

@@ -334,9 +334,15 @@ class Placement:
                 self.uploads.add(key)
 
     def _unfollow(self, key) -> None:
-        """Weigh the block no more (under ``_lock``)."""
+        """Weigh the block no more (under ``_lock``). A block still asked
+        about at CuPy's allocations is asked no more, and the watch goes off
+        if nothing else needs it: left on, every later CuPy allocation of the
+        process would run the policy's Python (a move at a wait, or a view
+        found gone there, ends the questions before they run out)."""
         self.pending.pop(key, None)
-        self.uploads.discard(key)
+        if key in self.uploads:
+            self.uploads.discard(key)
+            self._unwatch()
 
     def _verdict(self, state: BlockState, size: int, heavy: bool) -> None:
         """The block's own verdict, which blocks of its size with none of their own take on."""
