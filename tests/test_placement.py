@@ -902,4 +902,3 @@ def test_a_heavy_block_handed_over_again_without_an_export_is_judged_by_the_wait
     policy.on_handoff("managed", BASE, GiB, lease)  # judged here: host-resident again
     assert moves == [(GiB, 0)] * 5 and not policy.state(BASE, GiB).heavy
     assert (BASE, GiB) in policy.pending
-

@@ -6,29 +6,16 @@ needs it, whichever of an allocation or a wait ends the questions."""
 
 from __future__ import annotations
 
-import types
-
 import numpy
-from test_placement import BASE, GiB, MiB, FakeCupy, FakeLease, _sync, moves  # noqa: F401 (a fixture)
+from test_placement import BASE, GiB, MiB, FakeCupy, FakeLease, Watch, _policy, _sync, moves  # noqa: F401 (a fixture)
 
 from ump import _placement
 
 
-class FakeWatch:
-    """The switch on CuPy's allocations the hook gives the policy."""
-
-    def __init__(self):
-        self.on = False
-
-    def __call__(self, on: bool) -> bool:
-        self.on = on
-        return on
-
-
 def _watched_policy(cupy):
-    watch = FakeWatch()
-    options = types.SimpleNamespace(placement="auto", prefetch_min=2 * MiB)
-    return _placement.Placement(cupy, options, headroom=GiB, watch=watch), watch
+    policy = _policy(cupy)
+    policy.watch = Watch()
+    return policy, policy.watch
 
 
 def test_an_upload_only_cupy_holds_moves_at_the_next_allocation(moves):
